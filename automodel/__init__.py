@@ -1,0 +1,44 @@
+"""automodel: load Hugging Face checkpoints straight into parallelized PyTorch models.
+
+The public names are imported lazily, so ``import automodel`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "MeshContext": "automodel.distributed",
+    "ModelParallelizer": "automodel.distributed",
+    "FSDP2Config": "automodel.distributed",
+    "DDPConfig": "automodel.distributed",
+    "MegatronFSDPConfig": "automodel.distributed",
+    "MoEConfig": "automodel.distributed",
+}
+
+__all__ = ["DDPConfig", "FSDP2Config", "MegatronFSDPConfig", "MeshContext", "MoEConfig", "ModelParallelizer"]
+
+if TYPE_CHECKING:
+    from automodel.distributed import (
+        DDPConfig,
+        FSDP2Config,
+        MegatronFSDPConfig,
+        MeshContext,
+        ModelParallelizer,
+        MoEConfig,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'automodel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,98 @@
+"""FSDP2 unit selection and the ``fully_shard`` helpers a sidecar may reuse."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from .model_structure import decoder_layers, input_embeddings, output_embeddings, tied_parameter_names
+
+__all__ = ["default_fsdp_units", "fsdp_mesh", "fully_shard_by_dtype", "fully_shard_default"]
+
+ShardFn = Callable[..., nn.Module]
+
+
+def fully_shard_default(module: nn.Module, **kwargs: Any) -> nn.Module:
+    """``torch.distributed.fsdp.fully_shard`` with ``None`` keyword arguments left at torch's defaults."""
+    return fully_shard(module, **{key: value for key, value in kwargs.items() if value is not None})
+
+
+def fsdp_mesh(device_mesh: DeviceMesh, dp_replicate_mesh_name: str, dp_shard_cp_mesh_name: str) -> DeviceMesh:
+    """The mesh FSDP2 shards over: ``dp_shard_cp``, or the 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP.
+
+    The flattened ``dp_shard_cp`` axis is used, never the 2-D ``(dp_shard, cp)`` slice, which FSDP2 would silently
+    read as HSDP.
+    """
+    if device_mesh[dp_replicate_mesh_name].size() > 1:
+        return device_mesh[(dp_replicate_mesh_name, dp_shard_cp_mesh_name)]
+    return device_mesh[dp_shard_cp_mesh_name]
+
+
+def default_fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as their own FSDP units before the root, innermost first.
+
+    Decoder layers (``_no_split_modules``), then the input embeddings, the output head and the modules the model's
+    transformers FSDP plan names, unless they hold a tied parameter: tied parameters stay in the root unit, as one
+    parameter.
+    """
+    names = {module: name for name, module in model.named_modules()}
+    tied = {name for group in tied_parameter_names(model) for name in group}
+
+    def holds_tied(module: nn.Module) -> bool:
+        prefix = f"{names[module]}." if names[module] else ""
+        return any(f"{prefix}{name}" in tied for name, _ in module.named_parameters(remove_duplicate=False))
+
+    by_name = dict(model.named_modules())
+    planned = [by_name[name] for name in (getattr(model, "fsdp_plan", None) or {}) if name in by_name]
+    extras = [input_embeddings(model), output_embeddings(model), *planned]
+    units = list(decoder_layers(model))
+    units += [m for m in extras if m is not None and m is not model and m in names and not holds_tied(m)]
+    return sorted(dict.fromkeys(units), key=lambda module: -names[module].count("."))
+
+
+def fully_shard_by_dtype(module: nn.Module, shard: ShardFn = fully_shard_default, **kwargs: Any) -> nn.Module:
+    """Shard ``module`` so that every FSDP unit holds parameters of one dtype.
+
+    FSDP2 refuses a unit mixing dtypes (e.g. fp32 ``A_log`` kept beside bf16 weights). The submodules that directly
+    own parameters of a minority dtype become units of their own first, then ``module`` takes the majority dtype.
+    ``shard`` is the primitive (a sidecar passes its ``self._fully_shard_module``).
+    """
+    owners = _direct_param_owners(module)
+    counts: dict[torch.dtype, int] = {}
+    for _, params in owners:
+        for param in params:
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    if len(counts) > 1:
+        majority = max(counts, key=counts.__getitem__)
+        for owner, params in owners:
+            dtypes = {param.dtype for param in params}
+            if dtypes == {majority}:
+                continue
+            if len(dtypes) > 1 or owner is module:
+                names = [name for name, _ in owner.named_parameters(recurse=False)]
+                raise ValueError(
+                    f"{type(owner).__name__} holds parameters of several dtypes ({sorted(map(str, dtypes))}: {names}) "
+                    "directly, so no FSDP unit can be dtype-uniform. Move them into separate submodules."
+                )
+            shard(owner, **kwargs)
+    return shard(module, **kwargs)
+
+
+def _direct_param_owners(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """Modules under ``module`` (not already FSDP units) with the parameters they own directly."""
+    owners = []
+    skip: set[int] = set()
+    for sub in module.modules():
+        if sub is not module and isinstance(sub, FSDPModule):
+            skip.update(id(inner) for inner in sub.modules())
+        if id(sub) in skip:
+            continue
+        params = list(sub.parameters(recurse=False))
+        if params:
+            owners.append((sub, params))
+    return owners

@@ -1,0 +1,76 @@
+"""The one place that touches transformers' tensor-parallel internals (supported range pinned in pyproject.toml).
+
+transformers ships named TP styles (``ALL_PARALLEL_STYLES``: ``"colwise"``, ``"rowwise"``, ``"packed_colwise"``,
+``"embedding_rowwise"`` ...) and plans on models (``model.tp_plan``: ``_tp_plan`` + ``config.base_model_tp_plan``). We
+use both as they are. What transformers does not have yet is sequence parallelism (``enable_sequence_parallel`` is
+"not wired up" in 5.24), so the sequence-parallel variants of its rowwise and norm styles live here too.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Shard
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _get_parameter_plan
+from transformers.distributed.tensor_parallel import (
+    RowwiseParallel,
+    SequenceParallel,
+    TensorParallelLayer,
+)
+
+__all__ = [
+    "SequenceParallelNorm",
+    "SequenceParallelRowwise",
+    "TensorParallelLayer",
+    "expand_plan",
+    "model_tp_plan",
+    "style_named",
+]
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own TP plan with wildcards and full module prefixes (empty when it has none)."""
+    plan = getattr(model, "tp_plan", None)
+    if plan is None:
+        plan = getattr(type(model), "_tp_plan", None)
+    return dict(plan or {})
+
+
+def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Replace the plan's ``*`` with real layer numbers: one entry per matching parameter, then its module.
+
+    Tied parameters appear under every name (``named_parameters(recurse=False)`` of each module), so the caller can
+    shard each alias consistently.
+    """
+    expanded: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if (style := _get_parameter_plan(name, plan, is_weight=True)) is not None:
+                expanded[name] = style
+        if module_name and (style := _get_parameter_plan(module_name, plan, is_weight=False)) is not None:
+            expanded[module_name] = style
+    return expanded
+
+
+def style_named(name: str) -> TensorParallelLayer:
+    """The transformers style object registered under ``name``."""
+    if name not in ALL_PARALLEL_STYLES:
+        raise ValueError(f"Unknown tensor-parallel style {name!r}; transformers knows {sorted(ALL_PARALLEL_STYLES)}.")
+    return ALL_PARALLEL_STYLES[name]
+
+
+class SequenceParallelRowwise(RowwiseParallel):
+    """Rowwise linear that reduce-scatters its partial output onto sequence shards instead of all-reducing it."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Shard(-1), output_layouts=Shard(1))
+
+    def should_use_local_tensors(self, module: nn.Module) -> bool:
+        return False
+
+
+class SequenceParallelNorm(SequenceParallel):
+    """A per-token module (norm) run on sequence shards; its replicated weight gets its gradient summed over TP."""
+
+    def __init__(self) -> None:
+        super().__init__(sequence_dim=1, use_local_output=True)

@@ -1,0 +1,292 @@
+"""``MeshContext``: the resolved device meshes plus every policy ``ModelParallelizer.parallelize`` reads.
+
+The dense mesh has the canonical axes ``("dp_replicate", "dp_shard", "cp", "tp")`` and the flattened axes ``dp``
+(``dp_replicate x dp_shard``: ranks that see different batches), ``dp_shard_cp`` (what FSDP shards over) and
+``dp_cp`` (what gradients are reduced over). With ``ep_size > 1`` a second mesh ``("ep_shard", "ep")`` over the same
+ranks holds the routed experts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import DDPConfig, MegatronFSDPConfig, MoEConfig, StrategyConfig, strategy_from_name
+
+__all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "ActivationCheckpointing", "MeshContext"]
+
+DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": DENSE_AXES[:3]}
+MOE_AXES = ("ep_shard", "ep")
+
+ActivationCheckpointing = Literal[False, "full", "selective"]
+
+
+def _normalize_activation_checkpointing(value: bool | str) -> ActivationCheckpointing:
+    if value is False or value is None:
+        return False
+    if value is True or value == "full":
+        return "full"
+    if value == "selective":
+        return "selective"
+    raise ValueError(f"activation_checkpointing={value!r} is not a mode: use False, True, 'full' or 'selective'.")
+
+
+def _ensure_process_group() -> None:
+    """Use the initialised default process group, or start one from the torchrun environment."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(
+            "MeshContext.build needs torch.distributed: launch with `torchrun --nproc-per-node N script.py` or call "
+            "torch.distributed.init_process_group() first."
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend)
+
+
+def _device_type() -> str:
+    """The mesh device type that matches the default process group's backend (gloo -> cpu, nccl -> cuda)."""
+    backend = str(dist.get_backend()).lower()
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def _check_positive(**sizes: int) -> None:
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}.")
+
+
+def _validate_layout(
+    strategy: StrategyConfig,
+    world_size: int,
+    dp_replicate_size: int,
+    tp_size: int,
+    cp_size: int,
+    ep_size: int,
+    sequence_parallel: bool,
+) -> int:
+    """Check the requested layout against the world size and the strategy; return the inferred ``dp_shard`` size."""
+    _check_positive(dp_replicate_size=dp_replicate_size, tp_size=tp_size, cp_size=cp_size, ep_size=ep_size)
+    if isinstance(strategy, DDPConfig):
+        extras = {"dp_replicate_size": dp_replicate_size, "tp_size": tp_size, "cp_size": cp_size, "ep_size": ep_size}
+        bad = {name: size for name, size in extras.items() if size != 1}
+        if bad:
+            names = ", ".join(f"{name}={size}" for name, size in bad.items())
+            raise ValueError(
+                f"The DDP strategy replicates the whole model on every rank, so {names} cannot apply: DDP uses all "
+                f"{world_size} ranks for data parallelism. Use strategy='fsdp2' for HSDP, TP, CP or EP."
+            )
+    if isinstance(strategy, MegatronFSDPConfig) and not torch.cuda.is_available():
+        raise RuntimeError(
+            "strategy='megatron_fsdp' needs CUDA GPUs, and torch.cuda.is_available() is False on this machine. "
+            "Use strategy='fsdp2' on CPU."
+        )
+    if sequence_parallel and tp_size == 1:
+        raise ValueError("sequence_parallel=True shards activations over the TP ranks: it needs tp_size > 1.")
+    non_shard = dp_replicate_size * cp_size * tp_size
+    if world_size % non_shard:
+        raise ValueError(
+            f"dp_replicate_size * cp_size * tp_size = {dp_replicate_size} * {cp_size} * {tp_size} = {non_shard} does "
+            f"not divide the world size {world_size}; dp_shard is inferred as world_size / that product."
+        )
+    dp_shard = world_size // non_shard
+    if ep_size > 1 and (dp_shard * cp_size * tp_size) % ep_size:
+        raise ValueError(
+            f"ep_size={ep_size} must divide dp_shard * cp_size * tp_size = {dp_shard} * {cp_size} * {tp_size} = "
+            f"{dp_shard * cp_size * tp_size} (the ranks of one data-parallel replica)."
+        )
+    return dp_shard
+
+
+def _flatten_dense_axes(mesh: DeviceMesh) -> None:
+    for flat_name, axes in FLATTENED_AXES.items():
+        mesh[axes]._flatten(mesh_dim_name=flat_name)
+
+
+@dataclass(frozen=True)
+class MeshContext:
+    """The sole runtime input of ``ModelParallelizer.parallelize``.
+
+    Holds the resolved meshes (sizes are read from them, never stored twice) and the policy: the strategy config,
+    the MoE config, sequence parallelism, the activation-checkpointing mode and the trainability callback that
+    re-freezes parameters after activation checkpointing has wrapped modules and before FSDP groups them.
+
+    Build one with :meth:`build` (from sizes, the usual way) or :meth:`from_meshes` (from meshes a caller built).
+    """
+
+    device_mesh: DeviceMesh
+    strategy: StrategyConfig
+    moe_mesh: DeviceMesh | None = None
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    sequence_parallel: bool = False
+    activation_checkpointing: ActivationCheckpointing = False
+    reapply_trainability: Callable[[nn.Module], None] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        strategy: str | StrategyConfig = "fsdp2",
+        *,
+        dp_replicate_size: int = 1,
+        tp_size: int = 1,
+        cp_size: int = 1,
+        ep_size: int = 1,
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool | str = False,
+        moe: MoEConfig | None = None,
+        reapply_trainability: Callable[[nn.Module], None] | None = None,
+    ) -> MeshContext:
+        """Resolve a layout over all ranks of the default process group (started from torchrun's env if needed).
+
+        ``dp_shard`` is inferred as ``world_size / (dp_replicate_size * cp_size * tp_size)``. Every impossible
+        request raises here, identically on every rank, before any collective runs.
+        """
+        strategy = strategy_from_name(strategy)
+        mode = _normalize_activation_checkpointing(activation_checkpointing)
+        _ensure_process_group()
+        world_size = dist.get_world_size()
+        dp_shard = _validate_layout(
+            strategy, world_size, dp_replicate_size, tp_size, cp_size, ep_size, sequence_parallel
+        )
+        device_type = _device_type()
+        mesh = init_device_mesh(device_type, (dp_replicate_size, dp_shard, cp_size, tp_size), mesh_dim_names=DENSE_AXES)
+        _flatten_dense_axes(mesh)
+        moe_mesh = None
+        if ep_size > 1:
+            moe_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=MOE_AXES)
+        return cls(
+            device_mesh=mesh,
+            strategy=strategy,
+            moe_mesh=moe_mesh,
+            moe=moe or MoEConfig(),
+            sequence_parallel=sequence_parallel,
+            activation_checkpointing=mode,
+            reapply_trainability=reapply_trainability,
+        )
+
+    @classmethod
+    def from_meshes(
+        cls,
+        device_mesh: DeviceMesh,
+        *,
+        strategy: str | StrategyConfig = "fsdp2",
+        moe_mesh: DeviceMesh | None = None,
+        moe: MoEConfig | None = None,
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool | str = False,
+        reapply_trainability: Callable[[nn.Module], None] | None = None,
+    ) -> MeshContext:
+        """Wrap meshes a caller built. Missing dense axes get size 1; unknown axis names are rejected.
+
+        ``device_mesh`` may name any subset of ``dp_replicate``, ``dp_shard``, ``cp``, ``tp`` (in that order);
+        ``moe_mesh`` must be ``("ep_shard", "ep")``.
+        """
+        names = tuple(device_mesh.mesh_dim_names or ())
+        unknown = [name for name in names if name not in DENSE_AXES]
+        if unknown or list(names) != [axis for axis in DENSE_AXES if axis in names]:
+            raise ValueError(
+                f"device_mesh axes {names} are not canonical: use a subset of {DENSE_AXES} in that order "
+                f"(unknown: {unknown or 'none'})."
+            )
+        if moe_mesh is not None and tuple(moe_mesh.mesh_dim_names or ()) != MOE_AXES:
+            raise ValueError(f"moe_mesh axes {moe_mesh.mesh_dim_names} must be exactly {MOE_AXES}.")
+        if names != DENSE_AXES:
+            device_mesh = _complete_dense_mesh(device_mesh, names)
+        else:
+            _flatten_dense_axes(device_mesh)
+        strategy = strategy_from_name(strategy)
+        sizes = dict(zip(DENSE_AXES, device_mesh.mesh.shape, strict=True))
+        ep_size = moe_mesh.size(1) if moe_mesh is not None else 1
+        _validate_layout(
+            strategy,
+            device_mesh.size(),
+            sizes["dp_replicate"],
+            sizes["tp"],
+            sizes["cp"],
+            ep_size,
+            sequence_parallel,
+        )
+        return cls(
+            device_mesh=device_mesh,
+            strategy=strategy,
+            moe_mesh=moe_mesh,
+            moe=moe or MoEConfig(),
+            sequence_parallel=sequence_parallel,
+            activation_checkpointing=_normalize_activation_checkpointing(activation_checkpointing),
+            reapply_trainability=reapply_trainability,
+        )
+
+    def mesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of one axis, dense (``dp_replicate`` ... ``dp_cp``) or MoE (``ep_shard``, ``ep``)."""
+        if name in MOE_AXES:
+            if self.moe_mesh is None:
+                raise ValueError(f"Axis {name!r} exists only with ep_size > 1.")
+            return self.moe_mesh[name]
+        if name not in DENSE_AXES and name not in FLATTENED_AXES:
+            raise ValueError(f"Unknown axis {name!r}: use one of {DENSE_AXES + tuple(FLATTENED_AXES) + MOE_AXES}.")
+        return self.device_mesh[name]
+
+    def size(self, name: str) -> int:
+        """The number of ranks along one axis (1 for MoE axes without EP)."""
+        if name in MOE_AXES and self.moe_mesh is None:
+            return 1
+        return self.mesh(name).size()
+
+    @property
+    def world_size(self) -> int:
+        """All ranks of the dense mesh."""
+        return self.device_mesh.size()
+
+    @property
+    def dp_replicate_size(self) -> int:
+        """Replicas of a sharded model (HSDP) or 1."""
+        return self.size("dp_replicate")
+
+    @property
+    def dp_shard_size(self) -> int:
+        """Ranks one replica is sharded over by FSDP (without CP)."""
+        return self.size("dp_shard")
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different batches: ``dp_replicate * dp_shard``."""
+        return self.size("dp")
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks (the sequence is split over them)."""
+        return self.size("cp")
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks."""
+        return self.size("tp")
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks (1 without a MoE mesh)."""
+        return self.size("ep")
+
+    @property
+    def device_type(self) -> str:
+        """``"cpu"`` for gloo, ``"cuda"`` for NCCL."""
+        return self.device_mesh.device_type
+
+
+def _complete_dense_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """Rebuild a partial dense mesh with all four canonical axes, missing ones of size 1, over the same ranks."""
+    sizes = dict(zip(names, mesh.mesh.shape, strict=True))
+    shape = tuple(sizes.get(axis, 1) for axis in DENSE_AXES)
+    full = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=DENSE_AXES)
+    _flatten_dense_axes(full)
+    return full

@@ -1,0 +1,22 @@
+"""Model-owned parallelization policy, one folder per model family.
+
+``SIDECAR_CLASSES`` maps a transformers architecture name (``config.architectures[0]``) to the import path of the
+sidecar model class that carries a ``parallelizer`` attribute. Entries are imported only when looked up.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["SIDECAR_CLASSES", "sidecar_class"]
+
+SIDECAR_CLASSES: dict[str, str] = {}
+
+
+def sidecar_class(architecture: str) -> type | None:
+    """The sidecar model class registered for ``architecture``, or ``None`` to use the transformers class."""
+    path = SIDECAR_CLASSES.get(architecture)
+    if path is None:
+        return None
+    module_name, _, class_name = path.rpartition(".")
+    return getattr(importlib.import_module(module_name), class_name)
