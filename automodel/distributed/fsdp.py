@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from .hf_plans import model_fsdp_plan, module_style
 from .model_structure import decoder_layers, input_embeddings, output_embeddings, tied_parameter_names
 
 __all__ = ["default_fsdp_units", "fsdp_mesh", "fully_shard_by_dtype", "fully_shard_default"]
@@ -28,31 +30,37 @@ def fsdp_mesh(device_mesh: DeviceMesh, dp_replicate_mesh_name: str, dp_shard_cp_
     The flattened ``dp_shard_cp`` axis is used, never the 2-D ``(dp_shard, cp)`` slice, which FSDP2 would silently
     read as HSDP.
     """
-    if device_mesh[dp_replicate_mesh_name].size() > 1:
-        return device_mesh[(dp_replicate_mesh_name, dp_shard_cp_mesh_name)]
-    return device_mesh[dp_shard_cp_mesh_name]
+    with warnings.catch_warnings():
+        # `_apply` receives the root mesh and axis names (the documented hook signature), so the flattened axis is
+        # sliced from the root; torch plans to deprecate that in favour of keeping the flattened mesh object.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+        if device_mesh[dp_replicate_mesh_name].size() > 1:
+            return device_mesh[(dp_replicate_mesh_name, dp_shard_cp_mesh_name)]
+        return device_mesh[dp_shard_cp_mesh_name]
 
 
-def default_fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded as their own FSDP units before the root, innermost first.
+def default_fsdp_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """The modules sharded as their own FSDP units before the root, innermost first, each with whether it keeps its
+    full weight after forward.
 
-    Decoder layers (``_no_split_modules``), then the input embeddings, the output head and the modules the model's
-    transformers FSDP plan names, unless they hold a tied parameter: tied parameters stay in the root unit, as one
-    parameter.
+    Units: decoder layers (``_no_split_modules``), the input embeddings, the output head and the modules of the
+    model's transformers FSDP plan (whose ``"keep_full_weight"`` entries skip resharding after forward) — except
+    modules holding a tied parameter, which stays in the root unit as one parameter.
     """
     names = {module: name for name, module in model.named_modules()}
     tied = {name for group in tied_parameter_names(model) for name in group}
+    plan = model_fsdp_plan(model)
 
     def holds_tied(module: nn.Module) -> bool:
         prefix = f"{names[module]}." if names[module] else ""
         return any(f"{prefix}{name}" in tied for name, _ in module.named_parameters(remove_duplicate=False))
 
-    by_name = dict(model.named_modules())
-    planned = [by_name[name] for name in (getattr(model, "fsdp_plan", None) or {}) if name in by_name]
-    extras = [input_embeddings(model), output_embeddings(model), *planned]
-    units = list(decoder_layers(model))
-    units += [m for m in extras if m is not None and m is not model and m in names and not holds_tied(m)]
-    return sorted(dict.fromkeys(units), key=lambda module: -names[module].count("."))
+    planned = [module for module, name in names.items() if name and module_style(name, plan) is not None]
+    candidates = [*decoder_layers(model), input_embeddings(model), output_embeddings(model), *planned]
+    units = [m for m in dict.fromkeys(candidates) if m is not None and m is not model and m in names]
+    units = [m for m in units if not holds_tied(m)]
+    units.sort(key=lambda module: -names[module].count("."))
+    return [(module, module_style(names[module], plan) == "keep_full_weight") for module in units]
 
 
 def fully_shard_by_dtype(module: nn.Module, shard: ShardFn = fully_shard_default, **kwargs: Any) -> nn.Module:

@@ -22,7 +22,9 @@ __all__ = [
     "SequenceParallelRowwise",
     "TensorParallelLayer",
     "expand_plan",
+    "model_fsdp_plan",
     "model_tp_plan",
+    "module_style",
     "style_named",
 ]
 
@@ -33,6 +35,16 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     if plan is None:
         plan = getattr(type(model), "_tp_plan", None)
     return dict(plan or {})
+
+
+def model_fsdp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's transformers FSDP plan (``"free_full_weight"`` / ``"keep_full_weight"`` per module name)."""
+    return dict(getattr(model, "fsdp_plan", None) or {})
+
+
+def module_style(module_name: str, plan: dict[str, str]) -> str | None:
+    """The style a plan (with ``*`` wildcards) gives the module ``module_name``, or ``None``."""
+    return _get_parameter_plan(module_name, plan, is_weight=False)
 
 
 def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:

@@ -108,9 +108,9 @@ def _validate_layout(
     return dp_shard
 
 
-def _flatten_dense_axes(mesh: DeviceMesh) -> None:
-    for flat_name, axes in FLATTENED_AXES.items():
-        mesh[axes]._flatten(mesh_dim_name=flat_name)
+def _flatten_dense_axes(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
+    """Create the flattened axes; torch wants callers to keep the flattened meshes rather than slice them again."""
+    return {flat_name: mesh[axes]._flatten(mesh_dim_name=flat_name) for flat_name, axes in FLATTENED_AXES.items()}
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ class MeshContext:
     sequence_parallel: bool = False
     activation_checkpointing: ActivationCheckpointing = False
     reapply_trainability: Callable[[nn.Module], None] | None = None
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -160,7 +161,7 @@ class MeshContext:
         )
         device_type = _device_type()
         mesh = init_device_mesh(device_type, (dp_replicate_size, dp_shard, cp_size, tp_size), mesh_dim_names=DENSE_AXES)
-        _flatten_dense_axes(mesh)
+        flattened = _flatten_dense_axes(mesh)
         moe_mesh = None
         if ep_size > 1:
             moe_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=MOE_AXES)
@@ -172,6 +173,7 @@ class MeshContext:
             sequence_parallel=sequence_parallel,
             activation_checkpointing=mode,
             reapply_trainability=reapply_trainability,
+            flattened=flattened,
         )
 
     @classmethod
@@ -202,8 +204,7 @@ class MeshContext:
             raise ValueError(f"moe_mesh axes {moe_mesh.mesh_dim_names} must be exactly {MOE_AXES}.")
         if names != DENSE_AXES:
             device_mesh = _complete_dense_mesh(device_mesh, names)
-        else:
-            _flatten_dense_axes(device_mesh)
+        flattened = _flatten_dense_axes(device_mesh)
         strategy = strategy_from_name(strategy)
         sizes = dict(zip(DENSE_AXES, device_mesh.mesh.shape, strict=True))
         ep_size = moe_mesh.size(1) if moe_mesh is not None else 1
@@ -224,6 +225,7 @@ class MeshContext:
             sequence_parallel=sequence_parallel,
             activation_checkpointing=_normalize_activation_checkpointing(activation_checkpointing),
             reapply_trainability=reapply_trainability,
+            flattened=flattened,
         )
 
     def mesh(self, name: str) -> DeviceMesh:
@@ -232,7 +234,13 @@ class MeshContext:
             if self.moe_mesh is None:
                 raise ValueError(f"Axis {name!r} exists only with ep_size > 1.")
             return self.moe_mesh[name]
-        if name not in DENSE_AXES and name not in FLATTENED_AXES:
+        if name in FLATTENED_AXES:
+            return (
+                self.flattened[name]
+                if name in self.flattened
+                else self.device_mesh[FLATTENED_AXES[name]]._flatten(name)
+            )
+        if name not in DENSE_AXES:
             raise ValueError(f"Unknown axis {name!r}: use one of {DENSE_AXES + tuple(FLATTENED_AXES) + MOE_AXES}.")
         return self.device_mesh[name]
 
@@ -287,6 +295,4 @@ def _complete_dense_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh
     """Rebuild a partial dense mesh with all four canonical axes, missing ones of size 1, over the same ranks."""
     sizes = dict(zip(names, mesh.mesh.shape, strict=True))
     shape = tuple(sizes.get(axis, 1) for axis in DENSE_AXES)
-    full = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=DENSE_AXES)
-    _flatten_dense_axes(full)
-    return full
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=DENSE_AXES)

@@ -121,12 +121,13 @@ class ModelParallelizer:
     ) -> nn.Module:
         """Choose the FSDP units and shard each through ``self._fully_shard_module``, then the root.
 
-        Default units: decoder layers (``_no_split_modules``), the model's FSDP plan modules, and untied input
+        Default units: decoder layers (``_no_split_modules``), the model's transformers FSDP plan, and untied input
         embeddings and output head. Override for other boundaries (e.g. dtype-uniform groups).
         """
         options = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
-        for unit in default_fsdp_units(model):
-            self._fully_shard_module(unit, reshard_after_forward=reshard_after_forward, **options)
+        for unit, keep_full_weight in default_fsdp_units(model):
+            reshard = False if keep_full_weight else reshard_after_forward
+            self._fully_shard_module(unit, reshard_after_forward=reshard, **options)
         # The root's parameters (tied embeddings, final norm) are needed again right after forward for backward.
         return self._fully_shard_module(model, reshard_after_forward=False, **options)
 

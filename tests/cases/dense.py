@@ -61,3 +61,28 @@ def dense_parity(layout: dict[str, Any], activation_checkpointing: Any, tie: boo
     if tie:
         result["tied"] = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     return result
+
+
+def sequence_parallel_is_active(tie: bool) -> dict[str, Any]:
+    """Under SP the decoder layers' norms see a sequence shard and hold DTensor weights; outputs stay exact."""
+    context = MeshContext.build("fsdp2", tp_size=context_tp_size(), sequence_parallel=True)
+    reference = build_model(tiny_llama_config(tie_word_embeddings=tie))
+    model = ModelParallelizer().parallelize(copy.deepcopy(reference), context)
+    seen: dict[str, int] = {}
+    norm = model.model.layers[0].input_layernorm
+
+    def record(module, args):
+        seen.setdefault("norm_seq", args[0].shape[1])
+
+    norm.register_forward_pre_hook(record)
+    batch = token_batch()
+    result = compare_with_reference(reference, model, context, batch)
+    result["norm_seq"] = seen["norm_seq"]
+    result["seq"] = batch.shape[1]
+    result["norm_is_dtensor"] = isinstance(norm.weight, DTensor)
+    return result
+
+
+def context_tp_size() -> int:
+    """All ranks on the TP axis."""
+    return dist.get_world_size()

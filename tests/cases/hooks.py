@@ -1,0 +1,218 @@
+"""Rank-side cases for the sidecar hooks, error paths and helpers of the parallelizer."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from automodel.distributed import (
+    MegatronFSDPConfig,
+    MeshContext,
+    ModelParallelizer,
+    fully_shard_by_dtype,
+    fully_shard_default,
+)
+from automodel.distributed.megatron_fsdp import megatron_fsdp_arguments
+from tests.cases.dense import compare_with_reference
+from tests.tiny_models import build_model, tiny_llama_config, token_batch
+
+
+class RecordingParallelizer(ModelParallelizer):
+    """A sidecar as the product docs show it: only ``_fully_shard_module`` is overridden."""
+
+    def __init__(self) -> None:
+        self.sharded: list[str] = []
+
+    def _fully_shard_module(self, module, **kwargs):
+        self.sharded.append(type(module).__name__)
+        return fully_shard_default(module, **kwargs)
+
+
+def sidecar_fully_shard_module_is_used(layout: dict[str, Any]) -> dict[str, Any]:
+    """Every FSDP unit goes through the sidecar's primitive, and the result still matches plain transformers."""
+    context = MeshContext.build(**layout)
+    reference = build_model(tiny_llama_config())
+    parallelizer = RecordingParallelizer()
+    model = parallelizer.parallelize(copy.deepcopy(reference), context)
+    units = [type(module).__name__.removeprefix("FSDP") for module in model.modules() if isinstance(module, FSDPModule)]
+    result = compare_with_reference(reference, model, context, token_batch())
+    return {"sharded": parallelizer.sharded, "fsdp_units": units, **result}
+
+
+class RefusingParallelizer(ModelParallelizer):
+    def _validate_tp_mesh(self, model, tp_mesh):
+        raise ValueError(f"this model cannot use TP over {tp_mesh.size()} ranks")
+
+
+def validate_tp_mesh_can_stop() -> dict[str, Any]:
+    """A sidecar's ``_validate_tp_mesh`` raising stops parallelization before anything is sharded."""
+    context = MeshContext.build("fsdp2", tp_size=dist.get_world_size())
+    model = build_model(tiny_llama_config())
+    try:
+        RefusingParallelizer().parallelize(model, context)
+    except ValueError as error:
+        return {"error": str(error), "untouched": not any(isinstance(p, DTensor) for p in model.parameters())}
+    return {"error": None}
+
+
+class FullLayerParallelizer(ModelParallelizer):
+    def _use_full_layer_activation_checkpointing(self, model):
+        return True
+
+
+def activation_checkpointing_granularity(full_layers: bool) -> dict[str, Any]:
+    """Which modules were checkpointed: whole decoder layers (hook) or their attention / MLP blocks (default)."""
+    context = MeshContext.build("fsdp2", activation_checkpointing=True)
+    reference = build_model(tiny_llama_config())
+    parallelizer = FullLayerParallelizer() if full_layers else ModelParallelizer()
+    model = parallelizer.parallelize(copy.deepcopy(reference), context)
+    checkpointed = sorted(
+        {
+            type(module).__name__.removeprefix("FSDP")
+            for module in model.modules()
+            if getattr(module, "_automodel_checkpointed", False)
+        }
+    )
+    result = compare_with_reference(reference, model, context, token_batch())
+    return {"checkpointed": checkpointed, **result}
+
+
+def parallelize_error(config_overrides: dict[str, Any], layout: dict[str, Any], tp_plan: Any = None) -> str:
+    """The message of the error ``parallelize`` raises for this model and layout (every rank must raise)."""
+    context = MeshContext.build(**layout)
+    model = build_model(tiny_llama_config(**config_overrides))
+    if tp_plan == "none":
+        model._tp_plan = {}
+    parallelizer = ModelParallelizer()
+    if isinstance(tp_plan, dict):
+        parallelizer._tp_plan = tp_plan
+    try:
+        parallelizer.parallelize(model, context)
+    except (ValueError, NotImplementedError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def forward_error(layout: dict[str, Any], seq_len: int) -> str:
+    """The message of the error a forward pass raises (e.g. a sequence SP cannot split)."""
+    context = MeshContext.build(**layout)
+    model = ModelParallelizer().parallelize(build_model(tiny_llama_config()), context)
+    try:
+        model(input_ids=token_batch(seq_len=seq_len))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def build_error(layout: dict[str, Any]) -> str:
+    """The message of the error ``MeshContext.build`` raises for ``layout``."""
+    try:
+        MeshContext.build(**layout)
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def mesh_facts(layout: dict[str, Any]) -> dict[str, Any]:
+    """Sizes read back from the live meshes of a built context."""
+    context = MeshContext.build(**layout)
+    axes = ("dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
+    facts = {axis: context.size(axis) for axis in axes}
+    facts.update(ep=context.ep_size, device_type=context.device_type, world=context.world_size)
+    if context.moe_mesh is not None:
+        facts["ep_shard"] = context.size("ep_shard")
+    return facts
+
+
+def from_meshes_error(names: tuple[str, ...]) -> str:
+    """The message ``MeshContext.from_meshes`` gives for a mesh with these axis names."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (dist.get_world_size(),) + (1,) * (len(names) - 1)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    try:
+        context = MeshContext.from_meshes(mesh)
+    except ValueError as error:
+        return str(error)
+    return f"ok dp_shard={context.dp_shard_size} tp={context.tp_size}"
+
+
+def megatron_on_cpu() -> dict[str, Any]:
+    """Megatron-FSDP: the argument mapping it would receive, and the clear error dispatch gives without CUDA."""
+    dense = MeshContext.build("fsdp2")
+    context = MeshContext(device_mesh=dense.device_mesh, strategy=MegatronFSDPConfig(zero_dp_strategy=2))
+    model = build_model(tiny_llama_config())
+    arguments = megatron_fsdp_arguments(model, context)
+    try:
+        ModelParallelizer().parallelize(model, context)
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc)
+    return {
+        "error": error,
+        "untouched": not any(isinstance(p, DTensor) for p in model.parameters()),
+        "units": [cls.__name__ for cls in arguments["fsdp_unit_modules"]],
+        "dp_shard_dim": arguments["dp_shard_dim"],
+        "tp_dim": arguments["tp_dim"],
+        "dp_outer_dim": arguments["dp_outer_dim"],
+        "zero_dp_strategy": arguments["zero_dp_strategy"],
+        "meta_init": arguments["init_model_with_meta_device"],
+    }
+
+
+class MixedDtypeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8).to(torch.bfloat16)
+        self.gate = nn.Linear(8, 8)  # kept in fp32
+
+    def forward(self, x):
+        return self.proj(x.to(torch.bfloat16)).float() + self.gate(x)
+
+
+def dtype_grouping() -> dict[str, Any]:
+    """``fully_shard_by_dtype`` makes every FSDP unit dtype-uniform, so a mixed-dtype block trains under FSDP2."""
+    context = MeshContext.build("fsdp2")
+    torch.manual_seed(0)
+    block = MixedDtypeBlock()
+    fully_shard_by_dtype(block, mesh=context.mesh("dp_shard_cp"))
+    units = {
+        name or "<root>": sorted(_unit_dtypes(module))
+        for name, module in block.named_modules()
+        if isinstance(module, FSDPModule)
+    }
+    out = block(torch.randn(2, 8))
+    out.sum().backward()
+    return {"units": units, "grads": all(p.grad is not None for p in block.parameters())}
+
+
+def _unit_dtypes(module: nn.Module) -> set[str]:
+    owned = set()
+    for sub in module.modules():
+        if sub is not module and isinstance(sub, FSDPModule):
+            continue
+        owned |= {str(p.dtype) for p in sub.parameters(recurse=False)}
+    return owned
+
+
+def moe_path_not_built() -> str:
+    """``ep_size > 1`` reaches the MoE branch, which says plainly that it is not built yet."""
+    return parallelize_error({}, {"strategy": "fsdp2", "ep_size": 2})
+
+
+def fail_on_rank(failing_rank: int) -> int:
+    """Rank ``failing_rank`` raises; the others wait in a collective that can never finish."""
+    if dist.get_rank() == failing_rank:
+        raise RuntimeError(f"shard file unreadable on rank {failing_rank}")
+    dist.barrier()
+    return dist.get_rank()
+
+
+def rank_id() -> int:
+    return dist.get_rank()
