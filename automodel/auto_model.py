@@ -1,0 +1,207 @@
+"""The auto classes: resolve -> build on meta -> parallelize -> load only the local shards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from automodel.distributed import MeshContext, ModelParallelizer
+from automodel.loading import load_checkpoint, materialize, plan_checkpoint, resolve_checkpoint_dir
+from automodel.loading.sharded_loader import load_into, state_tensors
+from automodel.loading.sources import InMemoryTensor
+from model_sidecars import sidecar_class
+
+__all__ = ["NeMoAutoModel", "NeMoAutoModelForCausalLM"]
+
+logger = logging.getLogger(__name__)
+
+
+class _NeMoAutoBase:
+    """Shared implementation; subclasses name the transformers auto class they mirror."""
+
+    _auto_class: ClassVar[type]
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        *,
+        mesh_context: MeshContext | None = None,
+        dtype: torch.dtype | str = "auto",
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+        strict: bool = True,
+        torch_dtype: torch.dtype | str | None = None,
+        **config_overrides: Any,
+    ) -> nn.Module:
+        """Load a checkpoint (hub id or local directory) straight into a model parallelized for ``mesh_context``.
+
+        The same model ``transformers``' ``from_pretrained`` returns (same class, modules and numerics, in eval
+        mode), with every rank holding and reading only its own shards. ``mesh_context=None`` loads it whole on
+        the CPU. ``strict=False`` initialises missing tensors and ignores unexpected ones instead of raising.
+        ``config_overrides`` update the config, as in transformers.
+        """
+        dtype = _dtype_argument(dtype, torch_dtype)
+        directory = resolve_checkpoint_dir(
+            name_or_path,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            trust_remote_code=trust_remote_code,
+        )
+        config = _load_config(name_or_path, directory, trust_remote_code, config_overrides)
+        model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
+        plan = plan_checkpoint(model, directory, strict=strict)
+        model = _parallelize(model, mesh_context)
+        materialize(model, _device(mesh_context))
+        report = load_checkpoint(model, plan, progress=True)
+        if _is_rank_zero():
+            logger.info("%s from %s: %s", type(model).__name__, directory, report.summary())
+        if (directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+            model.generation_config = GenerationConfig.from_pretrained(directory)
+        model.name_or_path = str(name_or_path)
+        return model.eval()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: PretrainedConfig,
+        *,
+        mesh_context: MeshContext | None = None,
+        dtype: torch.dtype | str = "auto",
+        seed: int = 0,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        torch_dtype: torch.dtype | str | None = None,
+    ) -> nn.Module:
+        """A freshly initialised model for pretraining, parallelized for ``mesh_context``.
+
+        Its weights equal (as ``full_tensor()``) what plain transformers builds after ``torch.manual_seed(seed)``:
+        to reproduce transformers' RNG stream exactly, each rank initialises the full model once on the CPU, keeps
+        its shards and frees the rest (peak host memory: one full copy per rank during the call).
+        """
+        dtype = _resolve_dtype(_dtype_argument(dtype, torch_dtype), config)
+        kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        torch.manual_seed(seed)
+        reference = cls._auto_class.from_config(config, **kwargs)
+        if mesh_context is None:
+            return reference
+        model = cls._build_on_meta(config, dtype, attn_implementation, trust_remote_code)
+        model = _parallelize(model, mesh_context)
+        materialize(model, _device(mesh_context))
+        full = dict(reference.named_parameters())
+        full.update(dict(reference.named_buffers()))
+        sources = {name: InMemoryTensor(full[name].detach()) for name, _ in state_tensors(model)}
+        load_into(model, sources, progress=False)
+        for name, buffer in model.named_buffers():
+            if name in full and name not in sources:
+                buffer.copy_(full[name])
+        del reference, full, sources
+        return model
+
+    @classmethod
+    def _build_on_meta(
+        cls, config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool
+    ) -> nn.Module:
+        """The model class for ``config`` (its sidecar class when one is registered), on the meta device."""
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        architecture = (getattr(config, "architectures", None) or [None])[0]
+        sidecar = sidecar_class(architecture) if architecture else None
+        with torch.device("meta"):
+            if sidecar is not None:
+                return sidecar._from_config(config, **kwargs)
+            return cls._auto_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+
+
+class NeMoAutoModelForCausalLM(_NeMoAutoBase):
+    """``transformers.AutoModelForCausalLM``, loaded straight into a parallelized model."""
+
+    _auto_class = AutoModelForCausalLM
+
+
+class NeMoAutoModel(_NeMoAutoBase):
+    """``transformers.AutoModel`` (models without a causal-LM head), loaded straight into a parallelized model."""
+
+    _auto_class = AutoModel
+
+
+def _parallelize(model: nn.Module, mesh_context: MeshContext | None) -> nn.Module:
+    if mesh_context is None:
+        return model
+    parallelizer = getattr(type(model), "parallelizer", None) or ModelParallelizer()
+    return parallelizer.parallelize(model, mesh_context)
+
+
+def _device(mesh_context: MeshContext | None) -> torch.device:
+    if mesh_context is not None and mesh_context.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _dtype_argument(dtype: torch.dtype | str, torch_dtype: torch.dtype | str | None) -> torch.dtype | str:
+    if torch_dtype is None:
+        return dtype
+    warnings.warn("`torch_dtype` is deprecated: use `dtype`.", FutureWarning, stacklevel=3)
+    return torch_dtype
+
+
+def _resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:
+    """``"auto"``: the dtype the config records (as transformers does), else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(recorded, str):
+            recorded = getattr(torch, recorded, None)
+        return recorded if isinstance(recorded, torch.dtype) else torch.float32
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype: use e.g. torch.bfloat16, 'bfloat16' or 'auto'.")
+    return resolved
+
+
+def _load_config(
+    name_or_path: str | os.PathLike, directory: Path, trust_remote_code: bool, overrides: dict[str, Any]
+) -> PretrainedConfig:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json, so {name_or_path} is not a transformers checkpoint.")
+    raw = json.loads(config_file.read_text())
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        if "auto_map" not in raw:
+            raise ValueError(
+                f"transformers {transformers.__version__} does not know the architecture of {name_or_path} "
+                f"(model_type={model_type!r}, architectures={raw.get('architectures')}). Upgrade transformers, or use a "
+                "checkpoint that ships its own modeling code."
+            )
+        if not trust_remote_code:
+            raise ValueError(
+                f"{name_or_path} (model_type={model_type!r}) ships its own modeling code, and loading it runs that "
+                "code. Pass trust_remote_code=True if you trust it."
+            )
+    return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **overrides)
+
+
+def _is_rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

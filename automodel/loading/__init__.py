@@ -1,0 +1,18 @@
+"""Checkpoint I/O: hub resolution, the sharded safetensors reader, and (later) the HF-format writer."""
+
+from .checkpoint_files import CheckpointError, CheckpointFiles, open_checkpoint
+from .hub import resolve_checkpoint_dir
+from .loader import CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
+from .sharded_loader import LoadReport
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointFiles",
+    "CheckpointPlan",
+    "LoadReport",
+    "load_checkpoint",
+    "materialize",
+    "open_checkpoint",
+    "plan_checkpoint",
+    "resolve_checkpoint_dir",
+]

@@ -1,0 +1,112 @@
+"""Initialise what the checkpoint does not provide, with the model's own ``_init_weights``, shard by shard.
+
+Random init of a sharded parameter in place would draw the same numbers on every rank (CPU has no DTensor RNG
+tracker), giving copies of one shard instead of one initialised tensor. So each module that owns something to
+initialise gets full-size CPU stand-ins for its tensors, transformers' ``_init_weights`` runs on those (loaded
+tensors are flagged ``_is_hf_initialized`` so it leaves them alone), and every rank keeps its own shard.
+Non-persistent buffers (rotary ``inv_freq``, position ids) are recomputed the same way, as transformers does after
+a meta-device build.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+from transformers import initialization as hf_init
+
+from .placements import local_indices
+from .sources import select
+
+__all__ = ["initialize_missing", "local_view", "non_persistent_buffer_names"]
+
+
+def local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank actually stores (the local shard of a ``DTensor``)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def non_persistent_buffer_names(model: nn.Module) -> set[str]:
+    """Names of buffers that are not part of the state dict (and so never in a checkpoint)."""
+    names = set()
+    for module_name, module in model.named_modules():
+        for buffer_name in module._non_persistent_buffers_set:
+            if module._buffers.get(buffer_name) is not None:
+                names.add(f"{module_name}.{buffer_name}" if module_name else buffer_name)
+    return names
+
+
+def initialize_missing(model: nn.Module, names: set[str], *, seed: int = 0) -> None:
+    """Initialise the parameters and buffers in ``names`` (full names) with the model's own init, consistently
+    across ranks: the same ``seed`` everywhere, and each rank keeping its part of the full tensor."""
+    if not names:
+        return
+    owners = _init_owners(model)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        with torch.no_grad(), hf_init.guard_torch_init_functions():
+            for module_name, module in _post_order(model):
+                prefix = f"{module_name}." if module_name else ""
+                own = {
+                    name
+                    for name, value in [*module._parameters.items(), *module._buffers.items()]
+                    if value is not None and f"{prefix}{name}" in names
+                }
+                if own:
+                    _initialize_module(owners[module], module, own)
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def _initialize_module(owner: nn.Module, module: nn.Module, names: set[str]) -> None:
+    originals: dict[str, tuple[dict, torch.Tensor]] = {}
+    for store in (module._parameters, module._buffers):
+        for name, value in list(store.items()):
+            if value is None:
+                continue
+            full = torch.empty(value.shape, dtype=value.dtype, device="cpu")
+            if isinstance(value, nn.Parameter):
+                full = nn.Parameter(full, requires_grad=value.requires_grad)
+            if name not in names:
+                full._is_hf_initialized = True
+            originals[name] = (store, value)
+            store[name] = full
+    try:
+        owner._init_weights(module)
+        for name in names:
+            store, original = originals[name]
+            full = store[name]
+            local_view(original).copy_(select(full.detach(), local_indices(original)))
+    finally:
+        for name, (store, original) in originals.items():
+            store[name] = original
+
+
+def _init_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
+    """For each module, the closest ``PreTrainedModel`` at or above it, whose ``_init_weights`` applies (the
+    dispatch transformers' ``initialize_weights`` does for composite models)."""
+    owners: dict[nn.Module, nn.Module] = {}
+
+    def visit(module: nn.Module, owner: nn.Module) -> None:
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        owners[module] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, model)
+    return owners
+
+
+def _post_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules children-first, as ``nn.Module.apply`` (and transformers' init) visits them."""
+    order: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+        order.append((name, module))
+
+    visit("", model)
+    return order

@@ -1,0 +1,126 @@
+"""Load a checkpoint directory into a model that is already parallelized (and still on the meta device)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from automodel.distributed.model_structure import retie_parameters, tied_parameter_names
+
+from .checkpoint_files import CheckpointError, CheckpointFiles, open_checkpoint
+from .initialization import initialize_missing, non_persistent_buffer_names
+from .key_mapping import KeyPlan, ignored, plan_keys
+from .sharded_loader import LoadReport, agree_or_raise, load_into, peak_rss_bytes, state_tensors, timer
+from .sources import Source
+
+__all__ = ["CheckpointPlan", "load_checkpoint", "materialize", "plan_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate storage for every parameter and buffer (only the local shards of sharded ones), keeping ties."""
+    tied = tied_parameter_names(model)
+    model.to_empty(device=device)
+    retie_parameters(model, tied)
+
+
+@dataclass
+class CheckpointPlan:
+    """A checked checkpoint: its files and, for each model tensor, the lazy source it is read from."""
+
+    directory: Path
+    files: CheckpointFiles
+    keys: KeyPlan
+
+
+def plan_checkpoint(model: nn.Module, directory: Path, *, strict: bool = True) -> CheckpointPlan:
+    """Check the checkpoint in ``directory`` against ``model`` (built on meta, not yet parallelized) on every rank.
+
+    Opens every file (a missing, truncated or corrupt shard fails here), maps its keys through transformers'
+    conversion mapping, and compares shapes. Missing or unexpected keys are an error listing them unless
+    ``strict=False``. A failure any rank sees is raised on every rank, before anything is allocated or read.
+    """
+    plan, error = None, None
+    try:
+        files = open_checkpoint(directory)
+        files.validate()
+        plan = CheckpointPlan(directory, files, _checked_keys(model, files, strict=strict))
+    except (CheckpointError, ValueError, OSError) as exc:
+        error = exc
+    agree_or_raise(error, f"Checking the checkpoint in {directory}")
+    return plan
+
+
+def load_checkpoint(model: nn.Module, plan: CheckpointPlan, *, progress: bool = True, seed: int = 0) -> LoadReport:
+    """Fill ``model`` (parallelized and materialized) from a checked ``plan``: each rank reads only the slices of
+    its own shards; missing tensors and non-persistent buffers get the model's own init."""
+    start = timer()
+    report = LoadReport()
+    error = None
+    try:
+        report.loaded = load_into(model, plan.keys.sources, progress=progress and _is_rank_zero())
+    except (CheckpointError, RuntimeError, OSError) as exc:
+        error = exc
+    agree_or_raise(error, f"Reading the weights from {plan.directory}")
+    report.initialized = sorted(plan.keys.missing)
+    initialize_missing(model, set(plan.keys.missing) | non_persistent_buffer_names(model), seed=seed)
+    report.bytes_read = plan.files.bytes_read
+    report.seconds = timer() - start
+    report.peak_rss_bytes = peak_rss_bytes()
+    return report
+
+
+def _checked_keys(model: nn.Module, files: CheckpointFiles, *, strict: bool) -> KeyPlan:
+    shapes = {name: tuple(tensor.shape) for name, tensor in state_tensors(model)}
+    aliases = {alias: group[0] for group in tied_parameter_names(model) for alias in group[1:]}
+    plan = plan_keys(model, files, {**shapes, **dict.fromkeys(aliases)})
+    _fold_tied_aliases(plan, aliases)
+    plan.missing = [n for n in plan.missing if not ignored(n, getattr(model, "_keys_to_ignore_on_load_missing", None))]
+    plan.unexpected = [
+        key
+        for key in plan.unexpected
+        if not ignored(key, getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+        # transformers moved the rotary buffer off the checkpoint: old checkpoints still carry it
+        and not key.endswith("rotary_emb.inv_freq")
+    ]
+    problems = []
+    if strict and plan.missing:
+        problems.append(f"missing from the checkpoint: {_listing(plan.missing)}")
+    if strict and plan.unexpected:
+        problems.append(f"in the checkpoint but not in the model: {_listing(plan.unexpected)}")
+    mismatched = [
+        f"{name} (checkpoint {tuple(source.shape)} from {source.stored_keys()[:2]}, model {shapes[name]})"
+        for name, source in plan.sources.items()
+        if tuple(source.shape) != shapes[name]
+    ]
+    if mismatched:
+        problems.append(f"shapes that disagree with the config: {_listing(mismatched)}")
+    if problems:
+        hint = " Pass strict=False to initialise missing tensors and ignore unexpected ones." if strict else ""
+        raise CheckpointError(f"The checkpoint does not match {type(model).__name__}: " + "; ".join(problems) + hint)
+    return plan
+
+
+def _fold_tied_aliases(plan: KeyPlan, aliases: dict[str, str]) -> None:
+    """A tied parameter is loaded once, under its first name, from whichever of its names the checkpoint has."""
+    for alias, primary in aliases.items():
+        source: Source | None = plan.sources.pop(alias, None)
+        if source is not None and primary not in plan.sources:
+            plan.sources[primary] = source
+    loaded = set(plan.sources)
+    plan.missing = [name for name in plan.missing if name not in aliases and name not in loaded]
+
+
+def _listing(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _is_rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -1,0 +1,59 @@
+"""Which elements of a global tensor one rank holds, for every placement the parallelizer can produce."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+__all__ = ["IndexRuns", "local_indices", "to_runs"]
+
+# For each tensor dim, the sorted-by-local-position list of contiguous global ranges (start, stop) a rank holds.
+IndexRuns = list[list[tuple[int, int]]]
+
+
+def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """For each dim, the global indices of this rank's local elements, in local order.
+
+    A plain tensor holds everything. For a ``DTensor`` the placements are applied to index vectors in mesh-dim order
+    with the placements' own split rules (``Shard``: ``torch.chunk`` semantics, uneven shards included;
+    ``_StridedShard``: the interleaved layout FSDP2 produces over a TP-sharded dim; ``Replicate``/``Partial``: all).
+    """
+    indices = [torch.arange(size) for size in tensor.shape]
+    if not isinstance(tensor, DTensor):
+        return indices
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError("this rank is not part of the tensor's device mesh")
+    for mesh_dim, placement in enumerate(tensor.placements):
+        # `_StridedShard.is_shard()` is False in torch 2.13, so test the types.
+        if not isinstance(placement, (Shard, _StridedShard)):
+            continue
+        dim = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
+        pieces, _ = _on_dim0(placement)._split_tensor(indices[dim], mesh.size(mesh_dim), with_padding=False)
+        indices[dim] = pieces[coordinate[mesh_dim]]
+    return indices
+
+
+def _on_dim0(placement: Placement) -> Placement:
+    """The same split rule applied to a 1-D index vector."""
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(0, split_factor=placement.split_factor)
+    return Shard(0)
+
+
+def to_runs(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """Split an index vector into maximal contiguous ascending runs ``[(start, stop), ...]`` (in order)."""
+    if indices.numel() == 0:
+        return []
+    values = indices.tolist()
+    runs = []
+    start = previous = values[0]
+    for value in values[1:]:
+        if value != previous + 1:
+            runs.append((start, previous + 1))
+            start = value
+        previous = value
+    runs.append((start, previous + 1))
+    return runs

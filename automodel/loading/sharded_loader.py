@@ -1,0 +1,95 @@
+"""Copy checkpoint weights into an already-parallelized model, each rank reading only the slices it holds."""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm.auto import tqdm
+
+from .checkpoint_files import CheckpointError
+from .initialization import local_view
+from .placements import local_indices
+from .sources import Source
+
+__all__ = ["LoadReport", "agree_or_raise", "load_into", "state_tensors"]
+
+
+@dataclass
+class LoadReport:
+    """What one rank's load did."""
+
+    loaded: int = 0
+    initialized: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+
+    def summary(self) -> str:
+        """One log line: what was read, how long it took, peak host memory."""
+        return (
+            f"loaded {self.loaded} tensors ({self.bytes_read / 2**20:.1f} MiB read on this rank) in "
+            f"{self.seconds:.2f} s, peak host memory {self.peak_rss_bytes / 2**30:.2f} GiB"
+            + (f"; initialised {len(self.initialized)} missing" if self.initialized else "")
+        )
+
+
+def state_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter (tied ones once) and persistent buffer, by state-dict name."""
+    yield from model.named_parameters()
+    non_persistent = set()
+    for module_name, module in model.named_modules():
+        non_persistent |= {f"{module_name}.{b}" if module_name else b for b in module._non_persistent_buffers_set}
+    for name, buffer in model.named_buffers():
+        if name not in non_persistent:
+            yield name, buffer
+
+
+def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = True) -> int:
+    """Read this rank's part of every tensor in ``sources`` and copy it (cast to the model's dtype) in place.
+
+    Shapes were checked by the caller. Returns the number of tensors loaded.
+    """
+    targets = [(name, tensor) for name, tensor in state_tensors(model) if name in sources]
+    bar = tqdm(targets, desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    with torch.no_grad():
+        for name, tensor in bar:
+            data = sources[name].read(local_indices(tensor))
+            local_view(tensor).copy_(data)
+    return len(targets)
+
+
+def agree_or_raise(error: BaseException | None, what: str) -> None:
+    """Collective: if any rank failed ``what``, every rank raises, naming the failing ranks and their messages.
+
+    A failure only one rank sees (its shard file unreadable, say) would otherwise leave the others waiting in the
+    next collective.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    failed = {rank: message for rank, message in enumerate(messages) if message is not None}
+    if not failed:
+        return
+    details = "\n".join(f"  rank {rank}: {message}" for rank, message in sorted(failed.items()))
+    combined = CheckpointError(f"{what} failed on {len(failed)} of {len(messages)} ranks:\n{details}")
+    if error is not None:
+        raise combined from error
+    raise combined
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def timer() -> float:
+    return time.perf_counter()

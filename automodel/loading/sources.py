@@ -1,0 +1,135 @@
+"""Lazy views of checkpoint tensors: read any index subset of a (possibly converted) tensor, touching only the bytes
+that subset needs.
+
+A model parameter maps to one ``Source``: a tensor stored in a safetensors file, or transformers' checkpoint
+conversion of several stored tensors (experts stacked into one fused parameter, projections concatenated). Reading
+this rank's indices of the composite reads only the matching slices of the stored tensors it is made of.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .checkpoint_files import CheckpointFiles
+from .placements import to_runs
+
+__all__ = ["Concatenated", "InMemoryTensor", "Source", "Stacked", "StoredTensor", "select"]
+
+
+class Source(Protocol):
+    """A global tensor that can be read at an index subset per dim."""
+
+    shape: tuple[int, ...]
+
+    def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
+        """The sub-tensor ``global[ix_(indices)]``, with dims in the order of ``indices``."""
+        ...
+
+    def stored_keys(self) -> list[str]:
+        """The checkpoint keys this tensor is built from."""
+        ...
+
+
+@dataclass
+class StoredTensor:
+    """One tensor of a safetensors file, read by contiguous slices."""
+
+    files: CheckpointFiles
+    key: str
+    shape: tuple[int, ...]
+
+    def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
+        return self._read_runs([to_runs(dim_indices) for dim_indices in indices])
+
+    def _read_runs(self, runs: list[list[tuple[int, int]]]) -> torch.Tensor:
+        split = next((dim for dim, dim_runs in enumerate(runs) if len(dim_runs) > 1), None)
+        if split is None:
+            slices = tuple(slice(*dim_runs[0]) if dim_runs else slice(0, 0) for dim_runs in runs)
+            return self.files.read_slice(self.key, slices)
+        pieces = [self._read_runs([*runs[:split], [run], *runs[split + 1 :]]) for run in runs[split]]
+        return torch.cat(pieces, dim=split)
+
+    def stored_keys(self) -> list[str]:
+        return [self.key]
+
+
+@dataclass
+class Stacked:
+    """``torch.stack(parts, dim)``: e.g. per-expert weights stacked into one fused expert parameter."""
+
+    parts: list[Source]
+    dim: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        inner = list(self.parts[0].shape)
+        return tuple(inner[: self.dim] + [len(self.parts)] + inner[self.dim :])
+
+    def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
+        rest = indices[: self.dim] + indices[self.dim + 1 :]
+        return torch.stack([self.parts[i].read(rest) for i in indices[self.dim].tolist()], dim=self.dim)
+
+    def stored_keys(self) -> list[str]:
+        return [key for part in self.parts for key in part.stored_keys()]
+
+
+@dataclass
+class Concatenated:
+    """``torch.cat(parts, dim)``: e.g. gate and up projections packed into one ``gate_up_proj``."""
+
+    parts: list[Source]
+    dim: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.parts[0].shape)
+        shape[self.dim] = sum(part.shape[self.dim] for part in self.parts)
+        return tuple(shape)
+
+    def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
+        bounds = torch.tensor([0] + [part.shape[self.dim] for part in self.parts]).cumsum(0)
+        wanted = indices[self.dim]
+        owner = torch.bucketize(wanted, bounds[1:], right=True)
+        pieces = []
+        # Consecutive wanted indices owned by the same part are read together, keeping the requested order.
+        start = 0
+        while start < len(wanted):
+            part = int(owner[start])
+            stop = start
+            while stop < len(wanted) and int(owner[stop]) == part:
+                stop += 1
+            local = wanted[start:stop] - bounds[part]
+            pieces.append(self.parts[part].read([*indices[: self.dim], local, *indices[self.dim + 1 :]]))
+            start = stop
+        return torch.cat(pieces, dim=self.dim)
+
+    def stored_keys(self) -> list[str]:
+        return [key for part in self.parts for key in part.stored_keys()]
+
+
+@dataclass
+class InMemoryTensor:
+    """A tensor already in memory (``from_config`` copies shards out of freshly initialised full weights)."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
+        return select(self.tensor, indices)
+
+    def stored_keys(self) -> list[str]:
+        return []
+
+
+def select(tensor: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
+    """``tensor[ix_(indices)]`` (one ``index_select`` per dim that is not taken whole)."""
+    for dim, dim_indices in enumerate(indices):
+        if len(dim_indices) != tensor.shape[dim] or (len(dim_indices) and int(dim_indices[0]) != 0):
+            tensor = tensor.index_select(dim, dim_indices)
+    return tensor
