@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
-from automodel.distributed import MeshContext
+from automodel.distributed import MeshContext, ModelParallelizer
 from tests.cases.dense import compare_with_reference
 from tests.tiny_models import token_batch
 
@@ -39,3 +39,48 @@ def loaded_parity(checkpoint: str, layout: dict[str, Any] | None) -> dict[str, A
     model.train()
     reference.train()
     return {**facts, **compare_with_reference(reference, model, context, token_batch())}
+
+
+def bytes_read_per_rank(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """How much of the checkpoint each rank reads (the loader's own accounting) against the total stored bytes."""
+    from automodel.loading import load_checkpoint, materialize, plan_checkpoint
+    from automodel.loading.checkpoint_files import open_checkpoint
+
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM._build_on_meta(_config(checkpoint), torch.float32, None, False)
+    plan = plan_checkpoint(model, checkpoint)
+    model = ModelParallelizer().parallelize(model, context)
+    materialize(model, "cpu")
+    report = load_checkpoint(model, plan, progress=False)
+    files = open_checkpoint(checkpoint)
+    total = sum(
+        files.read_slice(key, tuple(slice(0, n) for n in files.shape(key))).nbytes for key in files.keys()
+    )
+    local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
+    return {"read": report.bytes_read, "total": total, "local": local}
+
+
+def _config(checkpoint: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(checkpoint)
+
+
+def from_config_matches_seed(layout: dict[str, Any], architecture: str, seed: int) -> dict[str, Any]:
+    """``from_config(config, seed=s)`` weights equal plain transformers' after ``torch.manual_seed(s)``."""
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config(architecture)
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_config(config, mesh_context=context, seed=seed)
+    torch.manual_seed(seed)
+    reference = AutoModelForCausalLM.from_config(config)
+    ref = dict(reference.named_parameters())
+    diffs = {
+        name: ((p.full_tensor() if isinstance(p, DTensor) else p) - ref[name]).abs().max().item()
+        for name, p in model.named_parameters()
+    }
+    buffers = {
+        name: (b - dict(reference.named_buffers())[name]).abs().max().item() for name, b in model.named_buffers()
+    }
+    return {"weights": max(diffs.values()), "buffers": max(buffers.values(), default=0.0), "count": len(diffs)}
