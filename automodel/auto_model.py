@@ -46,6 +46,7 @@ class _NeMoAutoBase:
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
         strict: bool = True,
+        tp_plan: dict[str, str] | None = None,
         torch_dtype: torch.dtype | str | None = None,
         **config_overrides: Any,
     ) -> nn.Module:
@@ -54,6 +55,8 @@ class _NeMoAutoBase:
         The same model ``transformers``' ``from_pretrained`` returns (same class, modules and numerics, in eval
         mode), with every rank holding and reading only its own shards. ``mesh_context=None`` loads it whole on
         the CPU. ``strict=False`` initialises missing tensors and ignores unexpected ones instead of raising.
+        ``tp_plan`` replaces the model's own tensor-parallel plan (transformers style names, full module names with
+        ``*`` for layer numbers), e.g. to shard only the MLPs of a model whose heads do not divide ``tp_size``.
         ``config_overrides`` update the config, as in transformers.
         """
         dtype = _dtype_argument(dtype, torch_dtype)
@@ -68,6 +71,7 @@ class _NeMoAutoBase:
         config = _load_config(name_or_path, directory, trust_remote_code, config_overrides)
         model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
         plan = plan_checkpoint(model, directory, strict=strict)
+        _set_tp_plan(model, tp_plan)
         model = _parallelize(model, mesh_context)
         materialize(model, _device(mesh_context))
         report = load_checkpoint(model, plan, progress=True)
@@ -88,6 +92,7 @@ class _NeMoAutoBase:
         seed: int = 0,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
+        tp_plan: dict[str, str] | None = None,
         torch_dtype: torch.dtype | str | None = None,
     ) -> nn.Module:
         """A freshly initialised model for pretraining, parallelized for ``mesh_context``.
@@ -105,6 +110,7 @@ class _NeMoAutoBase:
         if mesh_context is None:
             return reference
         model = cls._build_on_meta(config, dtype, attn_implementation, trust_remote_code)
+        _set_tp_plan(model, tp_plan)
         model = _parallelize(model, mesh_context)
         materialize(model, _device(mesh_context))
         full = dict(reference.named_parameters())
@@ -143,6 +149,16 @@ class NeMoAutoModel(_NeMoAutoBase):
     """``transformers.AutoModel`` (models without a causal-LM head), loaded straight into a parallelized model."""
 
     _auto_class = AutoModel
+
+
+def _set_tp_plan(model: nn.Module, tp_plan: dict[str, str] | None) -> None:
+    """Replace the model's TP plan through transformers' own setter (which validates the style names)."""
+    if tp_plan is None:
+        return
+    if hasattr(type(model), "tp_plan"):
+        model.tp_plan = dict(tp_plan)
+    else:
+        model._tp_plan = dict(tp_plan)
 
 
 def _parallelize(model: nn.Module, mesh_context: MeshContext | None) -> nn.Module:

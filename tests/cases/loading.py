@@ -53,9 +53,7 @@ def bytes_read_per_rank(checkpoint: str, layout: dict[str, Any]) -> dict[str, An
     materialize(model, "cpu")
     report = load_checkpoint(model, plan, progress=False)
     files = open_checkpoint(checkpoint)
-    total = sum(
-        files.read_slice(key, tuple(slice(0, n) for n in files.shape(key))).nbytes for key in files.keys()
-    )
+    total = sum(files.read_slice(key, tuple(slice(0, n) for n in files.shape(key))).nbytes for key in files.keys())
     local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
     return {"read": report.bytes_read, "total": total, "local": local}
 
@@ -84,3 +82,26 @@ def from_config_matches_seed(layout: dict[str, Any], architecture: str, seed: in
         name: (b - dict(reference.named_buffers())[name]).abs().max().item() for name, b in model.named_buffers()
     }
     return {"weights": max(diffs.values()), "buffers": max(buffers.values(), default=0.0), "count": len(diffs)}
+
+
+def greedy_completions(
+    checkpoint: str, layout: dict[str, Any] | None, prompts: list[str], tp_plan: dict[str, str] | None = None
+) -> list[str]:
+    """Greedy chat completions of ``prompts`` from the checkpoint loaded for ``layout`` (None: plain transformers)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    if layout is None:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    else:
+        context = MeshContext.build(**layout)
+        model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, tp_plan=tp_plan)
+    completions = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=16, do_sample=False)
+        completions.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return completions

@@ -1,0 +1,95 @@
+"""Rank-side cases for the loader's bad inputs and hub resolution (run inside ``tests.harness.RankPool`` workers).
+
+Every case takes the same arguments on every rank; where one rank must see something different (a failure only
+that rank sees), the argument is a per-rank list and each rank picks its own entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from automodel.auto_model import NeMoAutoModelForCausalLM
+from automodel.distributed import MeshContext
+from automodel.loading import resolve_checkpoint_dir
+from tests.tiny_models import token_batch
+
+
+def _this_rank(value: Any) -> Any:
+    """``value[rank]`` for a per-rank list, else ``value`` itself."""
+    if isinstance(value, list):
+        return value[dist.get_rank() if dist.is_initialized() else 0]
+    return value
+
+
+def _context(layout: dict[str, Any] | None) -> MeshContext | None:
+    return MeshContext.build(**layout) if layout is not None else None
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def load_error(checkpoint: str | list[str], layout: dict[str, Any] | None, **kwargs: Any) -> str:
+    """``"<ErrorType>: <message>"`` of what ``from_pretrained`` raises on this rank, or ``"no error"``.
+
+    ``checkpoint`` and the values of ``kwargs`` may be per-rank lists.
+    """
+    kwargs = {key: _this_rank(value) for key, value in kwargs.items()}
+    try:
+        NeMoAutoModelForCausalLM.from_pretrained(_this_rank(checkpoint), mesh_context=_context(layout), **kwargs)
+    except Exception as error:  # every failure type is part of what the test checks
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def loaded_logits(checkpoint: str, layout: dict[str, Any] | None, **kwargs: Any) -> dict[str, Any]:
+    """Load ``checkpoint`` with ``from_pretrained(..., **kwargs)``; compare its logits with plain transformers'
+    ``from_pretrained`` of the same ``checkpoint`` and ``kwargs`` (hub ids included)."""
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=_context(layout), **kwargs)
+    reference_kwargs = {key: value for key, value in kwargs.items() if key != "strict"}
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, **reference_kwargs)
+    batch = token_batch()
+    with torch.no_grad():
+        logits = _full(model(batch).logits)
+        expected = reference(batch).logits
+    return {
+        "logits": (logits - expected).abs().max().item(),
+        "logits_sum": logits.double().sum().item(),
+        "on_meta": [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta],
+        "sharded": sum(isinstance(p, DTensor) for p in model.parameters()),
+        "class": type(model).__name__,
+        "name_or_path": getattr(model, "name_or_path", None),
+    }
+
+
+def resolved_directory(name_or_path: str, **kwargs: Any) -> str:
+    """Where ``resolve_checkpoint_dir`` finds ``name_or_path`` on this rank (the once-per-node hub path)."""
+    kwargs = {key: _this_rank(value) for key, value in kwargs.items()}
+    return str(resolve_checkpoint_dir(name_or_path, **kwargs))
+
+
+def initialised_missing_tensor(checkpoint: str, layout: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """Load with ``strict=False``; return the full value of the (missing, so initialised) tensor ``name``, and the
+    largest logits difference to plain transformers loading the same checkpoint (where ``name`` gets its own init,
+    so logits are not compared: only that everything else loaded, through every other parameter)."""
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=_context(layout), strict=False)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint)
+    parameters = dict(model.named_parameters())
+    others = {
+        other: (_full(parameter).detach() - dict(reference.named_parameters())[other]).abs().max().item()
+        for other, parameter in parameters.items()
+        if other != name
+    }
+    return {
+        "value": _full(parameters[name]).detach().clone(),
+        "local_shape": tuple(parameters[name].to_local().shape)
+        if isinstance(parameters[name], DTensor)
+        else tuple(parameters[name].shape),
+        "others": max(others.values()),
+        "on_meta": [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta],
+    }
