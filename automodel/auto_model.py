@@ -18,7 +18,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from automodel.distributed import MeshContext, ModelParallelizer
 from automodel.loading import load_checkpoint, materialize, plan_checkpoint, resolve_checkpoint_dir
-from automodel.loading.sharded_loader import load_into, state_tensors
+from automodel.loading.sharded_loader import agree_or_raise, load_into, state_tensors
 from automodel.loading.sources import InMemoryTensor
 from model_sidecars import sidecar_class
 
@@ -68,8 +68,13 @@ class _NeMoAutoBase:
             token=token,
             trust_remote_code=trust_remote_code,
         )
-        config = _load_config(name_or_path, directory, trust_remote_code, config_overrides)
-        model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
+        model, error = None, None
+        try:
+            config = _load_config(name_or_path, directory, trust_remote_code, config_overrides)
+            model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
+        except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
+            error = exc
+        agree_or_raise(error, f"Building the model of {name_or_path}")
         plan = plan_checkpoint(model, directory, strict=strict)
         _set_tp_plan(model, tp_plan)
         model = _parallelize(model, mesh_context)

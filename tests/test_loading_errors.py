@@ -20,13 +20,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.cases import loading_errors as cases
-from tests.harness import RankFailure
 from tests.tiny_models import VOCAB, save_tiny_checkpoint
 
 FSDP2 = {"strategy": "fsdp2"}
 FSDP2_TP2 = {"strategy": "fsdp2", "tp_size": 2}
 TIMEOUT_S = 90.0  # a hang shows up as a RankFailure after this long, not after the 300 s collective timeout
-HANG_TIMEOUT_S = 15.0  # for the one case known to hang (xfail): a tiny load takes about a second
+HANG_TIMEOUT_S = 30.0  # a tiny 2-rank load takes well under 1 s: a case over this has hung
 SHARDS = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
 DAMAGED_SHARD = SHARDS[1]
 MISSING_KEY = "model.layers.0.mlp.gate_proj.weight"
@@ -104,6 +103,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     (made["corrupt_shard"] / DAMAGED_SHARD).write_bytes(random.Random(0).randbytes(len(shard_bytes)))
     made["bad_header"] = _copy(good, root, "bad_header")  # the 8-byte length is right, the JSON after it is not
     (made["bad_header"] / DAMAGED_SHARD).write_bytes(shard_bytes[:8] + b"{not json" + shard_bytes[17:])
+    made["header_cut"] = _copy(good, root, "header_cut")  # cut inside the JSON header
+    (made["header_cut"] / DAMAGED_SHARD).write_bytes(shard_bytes[:40])
     made["empty_shard"] = _copy(good, root, "empty_shard")
     (made["empty_shard"] / DAMAGED_SHARD).write_bytes(b"")
     made["bad_index"] = _copy(good, root, "bad_index")
@@ -162,12 +163,13 @@ def _save_tiny_gpt2(directory: Path) -> Path:
 # name -> (error type on one process, fragments the message must contain; "{dir}" is the checkpoint directory)
 BAD_CHECKPOINTS: dict[str, tuple[str, list[str]]] = {
     "missing_shard": ("CheckpointError", [DAMAGED_SHARD, "names files that are not in", "download is incomplete"]),
-    "truncated_shard": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "truncated", "Download it again"]),
-    "empty_shard": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "truncated"]),
+    "truncated_shard": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "is truncated", "Download it again"]),
+    "header_cut": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "is truncated: 40 bytes, its header alone takes"]),
+    "empty_shard": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "is truncated: 0 bytes"]),
     "corrupt_shard": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "corrupt", "download it again"]),
     "bad_header": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "corrupt", "header"]),
     "bad_index": ("CheckpointError", ["{dir}/model.safetensors.index.json", "not a valid checkpoint index"]),
-    "stale_index": ("CheckpointError", [MISSING_KEY, "model.safetensors.index.json", "does not hold it"]),
+    "stale_index": ("CheckpointError", [MISSING_KEY, "checkpoint index in {dir} places", "does not hold it"]),
     "no_weights": ("CheckpointError", ["No weights in {dir}", "model.safetensors", "pytorch_model.bin"]),
     "no_config": ("FileNotFoundError", ["{dir} has no config.json", "not a transformers checkpoint"]),
     "truncated_bin": ("CheckpointError", ["{dir}/pytorch_model.bin", "truncated"]),
@@ -224,25 +226,11 @@ def test_relative_path_that_does_not_exist_is_looked_up_offline(tmp_path):
 def test_failure_only_one_rank_sees_is_raised_on_every_rank(ranks2, checkpoints):
     per_rank = [str(checkpoints["good"]), str(checkpoints["truncated_shard"])]
     messages = ranks2.run(cases.load_error, per_rank, FSDP2, timeout=TIMEOUT_S)
-    assert messages[0] == messages[1], messages
-    assert "failed on 1 of 2 ranks" in messages[0]
-    rank1 = messages[0].split("rank 1: ", 1)[1]
-    assert f"{checkpoints['truncated_shard']}/{DAMAGED_SHARD}" in rank1 and "truncated" in rank1
-    assert "rank 0: " not in messages[0]
-
-
-@pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    raises=RankFailure,
-    reason="auto_model.py from_pretrained: _load_config (and resolving a local directory) run before the first "
-    "agreeing collective, so a config.json only rank 1 cannot read raises there while rank 0 waits in "
-    "plan_checkpoint's all_gather until the process-group timeout",
-)
-def test_config_failure_only_one_rank_sees_is_raised_on_every_rank(ranks2, checkpoints):
-    per_rank = [str(checkpoints["good"]), str(checkpoints["no_config"])]
-    messages = ranks2.run(cases.load_error, per_rank, FSDP2, timeout=HANG_TIMEOUT_S)
-    assert messages[0] == messages[1] and "has no config.json" in messages[0], messages
+    rank1_sees = f"CheckpointError: Checkpoint file {checkpoints['truncated_shard']}/{DAMAGED_SHARD} is truncated"
+    for rank, message in enumerate(messages):  # each rank names the directory it was given
+        assert message.startswith(f"CheckpointError: Checking the checkpoint in {per_rank[rank]} failed on 1 of 2 ")
+        assert f"\n  rank 1: {rank1_sees}" in message and "rank 0:" not in message, message
+    assert messages[0].split("rank 1: ")[1] == messages[1].split("rank 1: ")[1]
 
 
 @pytest.mark.distributed
@@ -316,3 +304,12 @@ def test_missing_key_is_initialised_consistently_across_fsdp2_ranks(ranks2, chec
 def test_strict_false_does_not_excuse_a_shape_mismatch(checkpoints):
     message = cases.load_error(str(checkpoints["shape_mismatch"]), None, strict=False)
     assert message.startswith("CheckpointError: ") and "shapes that disagree with the config" in message, message
+
+
+@pytest.mark.distributed
+def test_config_failure_only_one_rank_sees_is_raised_on_every_rank(ranks2, checkpoints):
+    per_rank = [str(checkpoints["good"]), str(checkpoints["no_config"])]
+    messages = ranks2.run(cases.load_error, per_rank, FSDP2, timeout=HANG_TIMEOUT_S)
+    for message in messages:  # each rank names its own path first, then the failing rank's message
+        assert "failed on 1 of 2 ranks" in message and "rank 1: FileNotFoundError" in message, messages
+        assert "no_config has no config.json" in message, messages

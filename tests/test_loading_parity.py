@@ -81,3 +81,13 @@ def test_from_config_gives_the_weights_of_the_same_seed(request, world, layout, 
     pool = request.getfixturevalue(f"ranks{world}")
     for result in pool.run(from_config_matches_seed, layout, arch, 1234):
         assert result["weights"] == 0.0 and result["buffers"] == 0.0, result
+
+
+@pytest.mark.distributed
+def test_registered_architecture_loads_as_its_sidecar_class(ranks2, checkpoints):
+    from tests.cases.loading import registry_sidecar_is_used
+
+    for result in ranks2.run(registry_sidecar_is_used, checkpoints["llama"]):
+        assert "SidecarLlamaForCausalLM" in result["mro"], result
+        assert result["units"].count("LlamaDecoderLayer") == 2 and result["units"][-1] == "SidecarLlamaForCausalLM"
+        assert result["logits"] <= TOLERANCE

@@ -45,9 +45,10 @@ def resolve_tp_plan(model: nn.Module, override: TPPlan | str | Callable[[nn.Modu
     if not plan:
         raise ValueError(
             f"{type(model).__name__} has no tensor-parallel plan (no `_tp_plan` on the class and no "
-            "`base_model_tp_plan` on its config), so tp_size > 1 cannot shard it. Supply one: set `_tp_plan` on a "
-            "sidecar ModelParallelizer subclass (model_sidecars/<model>/parallelization.py), or pass tp_shard_plan, "
-            'with transformers style names, e.g. {"model.layers.*.self_attn.q_proj": "colwise", ...}.'
+            "`base_model_tp_plan` on its config), so tp_size > 1 cannot shard it. Supply one, with transformers style "
+            'names, e.g. {"model.layers.*.self_attn.q_proj": "colwise", ...}: pass `tp_plan=` to from_pretrained / '
+            "from_config, set `_tp_plan` on a sidecar ModelParallelizer subclass "
+            "(model_sidecars/<model>/parallelization.py), or pass `tp_shard_plan` to its `_apply`."
         )
     return plan
 

@@ -2,18 +2,22 @@
 
 Safetensors checkpoints (one file or an index with shards) are read through ``safe_open(...).get_slice``: the file
 is memory-mapped and a slice read copies only the requested bytes. ``.bin``-only checkpoints are read with
-``torch.load(weights_only=True, mmap=True)``, which also maps the file instead of reading it.
+``torch.load(weights_only=True, mmap=True)``, which also maps the file instead of reading it (files in the pre-zip
+pickle format of torch < 1.6 cannot be mapped and are loaded whole, as transformers does).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from .direct_read import SafetensorsHeader, contiguous_byte_range, read_header, read_into
 
 __all__ = ["CheckpointError", "CheckpointFiles", "open_checkpoint"]
 
@@ -21,6 +25,7 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
+MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors refuses larger headers: such a length is garbage, not truncation
 
 
 class CheckpointError(ValueError):
@@ -37,6 +42,8 @@ class CheckpointFiles:
         self.bytes_read = 0
         self._handles: dict[str, object] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._headers: dict[str, SafetensorsHeader] = {}
+        self._descriptors: dict[str, int] = {}
 
     def keys(self) -> Iterable[str]:
         """Every stored key."""
@@ -65,14 +72,49 @@ class CheckpointFiles:
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
+    def read_into(self, key: str, slices: tuple[slice, ...], out: torch.Tensor) -> bool:
+        """Fill ``out`` with ``stored[key][slices]`` by one positioned read, when the region is contiguous in the
+        file and the dtypes match (see ``direct_read``). Returns False, having done nothing, otherwise."""
+        if self.kind != "safetensors":
+            return False
+        filename = self.key_to_file[key]
+        if filename not in self._headers:
+            self._headers[filename] = read_header(self.directory / filename)
+        entry = self._headers[filename].entries.get(key)
+        if entry is None or entry.dtype != out.dtype:
+            return False
+        region = contiguous_byte_range(entry, slices)
+        if region is None:
+            return False
+        if filename not in self._descriptors:
+            self._descriptors[filename] = os.open(self.directory / filename, os.O_RDONLY)
+        try:
+            read_into(self._descriptors[filename], *region, out)
+        except OSError as error:
+            raise CheckpointError(f"Reading {key!r} from {self.directory / filename} failed: {error}") from error
+        self.bytes_read += region[1]
+        return True
+
+    def close(self) -> None:
+        """Release the open files and memory maps."""
+        for descriptor in self._descriptors.values():
+            os.close(descriptor)
+        self._descriptors.clear()
+        self._handles.clear()
+
     def _handle(self, filename: str):
         if filename not in self._handles:
             path = self.directory / filename
             try:
                 if self.kind == "safetensors":
+                    _check_safetensors_size(path)
                     self._handles[filename] = safe_open(str(path), framework="pt", device="cpu")
                 else:
-                    self._handles[filename] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                    # Files from before torch 1.6 (not zip archives) cannot be memory-mapped: load them whole.
+                    mmap = zipfile.is_zipfile(path)
+                    self._handles[filename] = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except CheckpointError:
+                raise
             except FileNotFoundError as error:
                 raise CheckpointError(f"Checkpoint file {path} is missing.") from error
             except Exception as error:  # safetensors / pickle report truncation and corruption with many types
@@ -83,21 +125,52 @@ class CheckpointFiles:
         return self._handles[filename]
 
     def validate(self) -> None:
-        """Open every file once so a missing, truncated or corrupt shard fails before any weight is copied."""
-        for filename in sorted(set(self.key_to_file.values())):
-            handle = self._handle(filename)
-            if self.kind == "safetensors":
-                _check_safetensors_size(self.directory / filename, handle)
+        """Open every file once so a missing, truncated or corrupt shard, or an index naming a tensor its shard does
+        not hold, fails before any weight is copied."""
+        expected: dict[str, set[str]] = {}
+        for key, filename in self.key_to_file.items():
+            expected.setdefault(filename, set()).add(key)
+        for filename in sorted(expected):
+            absent = sorted(expected[filename] - set(self._handle(filename).keys()))
+            if absent:
+                raise CheckpointError(
+                    f"The checkpoint index in {self.directory} places {_listing(absent)} in {filename}, which does not "
+                    "hold it: the index and the shards come from different downloads. Fetch the checkpoint again."
+                )
 
 
-def _check_safetensors_size(path: Path, handle) -> None:
-    """safetensors maps the file lazily: compare the header's data size with the file size to catch truncation."""
-    with open(path, "rb") as stream:
-        header_size = int.from_bytes(stream.read(8), "little")
-        header = json.loads(stream.read(header_size))
-    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    expected = 8 + header_size + end
+def _listing(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_safetensors_size(path: Path) -> None:
+    """Raise when the file is shorter than its header says: a truncated download.
+
+    Runs before ``safe_open``, whose own report of a short file does not say so plainly. A header that cannot be
+    parsed is left for ``safe_open`` to report as corruption.
+    """
     actual = os.path.getsize(path)
+    with open(path, "rb") as stream:
+        prefix = stream.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(
+                f"Checkpoint file {path} is truncated: {actual} bytes, shorter than a safetensors header. Download it "
+                "again."
+            )
+        header_size = int.from_bytes(prefix, "little")
+        if header_size > MAX_SAFETENSORS_HEADER:
+            return
+        if 8 + header_size > actual:
+            raise CheckpointError(
+                f"Checkpoint file {path} is truncated: {actual} bytes, its header alone takes {8 + header_size}. "
+                "Download it again."
+            )
+        try:
+            header = json.loads(stream.read(header_size))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return
+    expected = 8 + header_size + end
     if actual < expected:
         raise CheckpointError(
             f"Checkpoint file {path} is truncated: {actual} bytes, its header describes {expected}. Download it again."

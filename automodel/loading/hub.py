@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch.distributed as dist
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
+
+from .checkpoint_files import BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE
+from .sharded_loader import agree_or_raise
+
+try:  # huggingface_hub >= 1.x: offline, a snapshot its cached tree listing shows to be partial
+    from huggingface_hub.errors import IncompleteSnapshotError
+except ImportError:  # older releases return such a snapshot as it is
+    IncompleteSnapshotError = None
 
 __all__ = ["resolve_checkpoint_dir"]
 
@@ -23,8 +32,10 @@ METADATA_PATTERNS = [
     "*.tiktoken",
     "chat_template*",
 ]
-SAFETENSORS_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
-BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+# The weight files transformers loads, in the order checkpoint_files.open_checkpoint looks for them: an index and the
+# shards it names, else the single file; safetensors, else .bin. Never a pattern like "*.safetensors": repos also ship
+# other weights (Mistral's consolidated.safetensors, original/ folders) that would double the download.
+WEIGHT_FORMATS = [(SAFE_INDEX, SAFE_SINGLE), (BIN_INDEX, BIN_SINGLE)]
 REMOTE_CODE_PATTERNS = ["*.py"]
 
 
@@ -39,11 +50,29 @@ def resolve_checkpoint_dir(
 ) -> Path:
     """A local directory holding the checkpoint: ``name_or_path`` itself, or the hub snapshot of that id.
 
-    Only what loading needs is fetched (config, generation config, weights, tokenizer files, and the model's Python
-    files when ``trust_remote_code``). Under ``torch.distributed`` the first rank of each node downloads while the
-    others wait, then they all read the same cache. ``HF_HUB_OFFLINE``, ``HF_HOME`` / ``cache_dir``, ``revision``
-    and ``local_files_only`` mean what they mean in ``huggingface_hub``.
+    Only what loading needs is fetched (config, generation config, the weight files the index names, tokenizer
+    files, and the model's Python files when ``trust_remote_code``). Under ``torch.distributed`` the first rank of each
+    node downloads while the others wait, then they all read the same cache; a failure any rank sees is raised on
+    every rank. ``HF_HUB_OFFLINE``, ``HF_HOME`` / ``cache_dir``, ``revision`` and ``local_files_only`` mean what they
+    mean in ``huggingface_hub``.
     """
+    directory, error = None, None
+    try:
+        directory = _resolve(name_or_path, revision, cache_dir, local_files_only, token, trust_remote_code)
+    except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
+        error = exc
+    agree_or_raise(error, f"Resolving {name_or_path}")
+    return directory
+
+
+def _resolve(
+    name_or_path: str | os.PathLike,
+    revision: str | None,
+    cache_dir: str | os.PathLike | None,
+    local_files_only: bool,
+    token: str | bool | None,
+    trust_remote_code: bool,
+) -> Path:
     path = Path(name_or_path)
     if path.is_dir():
         return path
@@ -52,38 +81,71 @@ def resolve_checkpoint_dir(
     repo_id = str(name_or_path)
     offline = local_files_only or constants.HF_HUB_OFFLINE
 
-    def fetch(patterns: list[str], only_local: bool) -> Path:
+    def fetch(patterns: list[str], only_local: bool, commit: str | None) -> Path:
+        extra = REMOTE_CODE_PATTERNS if trust_remote_code else []
         return Path(
             snapshot_download(
                 repo_id,
-                revision=revision,
+                revision=commit or revision,
                 cache_dir=cache_dir,
                 token=token,
                 local_files_only=only_local,
-                allow_patterns=patterns + (REMOTE_CODE_PATTERNS if trust_remote_code else []),
+                allow_patterns=METADATA_PATTERNS + extra + patterns,
             )
         )
 
-    def fetch_weights(only_local: bool) -> Path:
-        directory = fetch(METADATA_PATTERNS + SAFETENSORS_PATTERNS, only_local)
-        if not any(directory.glob("*.safetensors")):
-            directory = fetch(METADATA_PATTERNS + BIN_PATTERNS, only_local)
-        return directory
-
     try:
-        return _once_per_node(lambda: fetch_weights(offline), lambda: fetch_weights(True))
+        return _once_per_node(lambda: _fetch_weights(fetch, offline), lambda: _fetch_weights(fetch, True))
     except LocalEntryNotFoundError as error:
-        cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
-        why = (
-            "downloading is disabled (HF_HUB_OFFLINE=1 or local_files_only=True)"
-            if offline
-            else "the hub is unreachable"
+        raise _not_in_cache(repo_id, revision, cache_dir, offline, error) from error
+
+
+def _fetch_weights(fetch, only_local: bool) -> Path:
+    """The snapshot with the metadata and the weight files loading reads (see ``WEIGHT_FORMATS``), nothing else.
+
+    Every call after the first asks for the commit the first one resolved (the snapshot folder's name), so the
+    index and its shards come from one commit even if the branch moves meanwhile.
+    """
+    directory = fetch([], only_local, None)
+    commit = directory.name
+    for index_name, single_name in WEIGHT_FORMATS:
+        directory = fetch([index_name], only_local, commit)
+        if (directory / index_name).is_file():
+            return fetch([index_name, *_shard_names(directory / index_name)], only_local, commit)
+        directory = fetch([single_name], only_local, commit)
+        if (directory / single_name).is_file():
+            return directory
+    return directory  # no weights: open_checkpoint says so
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The files an index's ``weight_map`` names (none when it cannot be read: open_checkpoint reports that)."""
+    try:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def _not_in_cache(
+    repo_id: str,
+    revision: str | None,
+    cache_dir: str | os.PathLike | None,
+    offline: bool,
+    error: LocalEntryNotFoundError,
+) -> FileNotFoundError:
+    cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
+    why = "downloading is disabled (HF_HUB_OFFLINE=1 or local_files_only=True)" if offline else "the hub is unreachable"
+    where = f"Model {repo_id!r} (revision {revision or 'main'})"
+    if IncompleteSnapshotError is not None and isinstance(error, IncompleteSnapshotError):
+        return FileNotFoundError(
+            f"{where} is only partly in the Hugging Face cache {cache} and {why}: {error} Download it again where the "
+            f"hub is reachable (`hf download {repo_id}`), or pass a local directory."
         )
-        raise FileNotFoundError(
-            f"Model {repo_id!r} (revision {revision or 'main'}) is not in the Hugging Face cache {cache} and {why}. "
-            f"Download it where the hub is reachable (`hf download {repo_id}`) into that cache, set HF_HOME or "
-            "cache_dir to the cache that has it, or pass a local directory."
-        ) from error
+    return FileNotFoundError(
+        f"{where} is not in the Hugging Face cache {cache} and {why}. Download it where the hub is reachable "
+        f"(`hf download {repo_id}`) into that cache, set HF_HOME or cache_dir to the cache that has it, or pass a "
+        "local directory."
+    )
 
 
 def _once_per_node(leader_fetch, follower_fetch):

@@ -135,6 +135,9 @@ class _ConvertedTensor:
     def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
         return select(self.conversion.result()[self.name], indices)
 
+    def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
+        out.copy_(self.read(indices))
+
     def stored_keys(self) -> list[str]:
         return [key for keys in self.conversion.by_source.values() for key in keys]
 

@@ -67,6 +67,8 @@ def load_checkpoint(model: nn.Module, plan: CheckpointPlan, *, progress: bool = 
         report.loaded = load_into(model, plan.keys.sources, progress=progress and _is_rank_zero())
     except (CheckpointError, RuntimeError, OSError) as exc:
         error = exc
+    finally:
+        plan.files.close()
     agree_or_raise(error, f"Reading the weights from {plan.directory}")
     report.initialized = sorted(plan.keys.missing)
     initialize_missing(model, set(plan.keys.missing) | non_persistent_buffer_names(model), seed=seed)
@@ -102,7 +104,8 @@ def _checked_keys(model: nn.Module, files: CheckpointFiles, *, strict: bool) -> 
     if mismatched:
         problems.append(f"shapes that disagree with the config: {_listing(mismatched)}")
     if problems:
-        hint = " Pass strict=False to initialise missing tensors and ignore unexpected ones." if strict else ""
+        keys_differ = strict and (plan.missing or plan.unexpected)
+        hint = ". Pass strict=False to initialise missing tensors and ignore unexpected ones." if keys_differ else "."
         raise CheckpointError(f"The checkpoint does not match {type(model).__name__}: " + "; ".join(problems) + hint)
     return plan
 

@@ -59,8 +59,7 @@ def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = 
     bar = tqdm(targets, desc="Loading weights", unit="tensor", disable=not progress, leave=False)
     with torch.no_grad():
         for name, tensor in bar:
-            data = sources[name].read(local_indices(tensor))
-            local_view(tensor).copy_(data)
+            sources[name].read_into(local_indices(tensor), local_view(tensor))
     return len(targets)
 
 

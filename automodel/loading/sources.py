@@ -28,6 +28,10 @@ class Source(Protocol):
         """The sub-tensor ``global[ix_(indices)]``, with dims in the order of ``indices``."""
         ...
 
+    def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Write ``global[ix_(indices)]`` into ``out`` (cast to its dtype), with as few copies as possible."""
+        ...
+
     def stored_keys(self) -> list[str]:
         """The checkpoint keys this tensor is built from."""
         ...
@@ -43,6 +47,14 @@ class StoredTensor:
 
     def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
         return self._read_runs([to_runs(dim_indices) for dim_indices in indices])
+
+    def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
+        runs = [to_runs(dim_indices) for dim_indices in indices]
+        if all(len(dim_runs) <= 1 for dim_runs in runs) and out.is_contiguous():
+            slices = tuple(slice(*dim_runs[0]) if dim_runs else slice(0, 0) for dim_runs in runs)
+            if self.files.read_into(self.key, slices, out):
+                return
+        out.copy_(self._read_runs(runs))
 
     def _read_runs(self, runs: list[list[tuple[int, int]]]) -> torch.Tensor:
         split = next((dim for dim, dim_runs in enumerate(runs) if len(dim_runs) > 1), None)
@@ -72,6 +84,11 @@ class Stacked:
         rest = indices[: self.dim] + indices[self.dim + 1 :]
         return torch.stack([self.parts[i].read(rest) for i in indices[self.dim].tolist()], dim=self.dim)
 
+    def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
+        rest = indices[: self.dim] + indices[self.dim + 1 :]
+        for position, part in enumerate(indices[self.dim].tolist()):
+            self.parts[part].read_into(rest, out.select(self.dim, position))
+
     def stored_keys(self) -> list[str]:
         return [key for part in self.parts for key in part.stored_keys()]
 
@@ -90,21 +107,26 @@ class Concatenated:
         return tuple(shape)
 
     def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
+        pieces = [self.parts[part].read(part_indices) for part, part_indices, _, _ in self._pieces(indices)]
+        return torch.cat(pieces, dim=self.dim)
+
+    def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
+        for part, part_indices, position, count in self._pieces(indices):
+            self.parts[part].read_into(part_indices, out.narrow(self.dim, position, count))
+
+    def _pieces(self, indices: list[torch.Tensor]):
+        """Runs of consecutive wanted indices owned by one part: (part, its indices, output position, count)."""
         bounds = torch.tensor([0] + [part.shape[self.dim] for part in self.parts]).cumsum(0)
         wanted = indices[self.dim]
-        owner = torch.bucketize(wanted, bounds[1:], right=True)
-        pieces = []
-        # Consecutive wanted indices owned by the same part are read together, keeping the requested order.
+        owner = torch.bucketize(wanted, bounds[1:], right=True).tolist()
         start = 0
         while start < len(wanted):
-            part = int(owner[start])
             stop = start
-            while stop < len(wanted) and int(owner[stop]) == part:
+            while stop < len(wanted) and owner[stop] == owner[start]:
                 stop += 1
-            local = wanted[start:stop] - bounds[part]
-            pieces.append(self.parts[part].read([*indices[: self.dim], local, *indices[self.dim + 1 :]]))
+            local = wanted[start:stop] - bounds[owner[start]]
+            yield owner[start], [*indices[: self.dim], local, *indices[self.dim + 1 :]], start, stop - start
             start = stop
-        return torch.cat(pieces, dim=self.dim)
 
     def stored_keys(self) -> list[str]:
         return [key for part in self.parts for key in part.stored_keys()]
@@ -122,6 +144,9 @@ class InMemoryTensor:
 
     def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
         return select(self.tensor, indices)
+
+    def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
+        out.copy_(self.read(indices))
 
     def stored_keys(self) -> list[str]:
         return []

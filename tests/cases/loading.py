@@ -105,3 +105,28 @@ def greedy_completions(
             out = model.generate(ids, max_new_tokens=16, do_sample=False)
         completions.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
     return completions
+
+
+def registry_sidecar_is_used(checkpoint: str) -> dict[str, Any]:
+    """An architecture registered in ``model_sidecars`` loads as the sidecar class, through its parallelizer."""
+    import model_sidecars
+    from tests.cases.sidecar_model import CountingParallelizer
+
+    model_sidecars.SIDECAR_CLASSES["LlamaForCausalLM"] = "tests.cases.sidecar_model.SidecarLlamaForCausalLM"
+    CountingParallelizer.units.clear()
+    try:
+        context = MeshContext.build("fsdp2")
+        model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context)
+    finally:
+        del model_sidecars.SIDECAR_CLASSES["LlamaForCausalLM"]
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint)
+    with torch.no_grad():
+        batch = token_batch()
+        rows = batch.shape[0] // context.dp_size
+        local = batch[context.mesh("dp").get_local_rank() * rows :][:rows]
+        logits = (model(local).logits - reference(local).logits).abs().max().item()
+    return {
+        "mro": [cls.__name__ for cls in type(model).__mro__[:3]],
+        "units": list(CountingParallelizer.units),
+        "logits": logits,
+    }

@@ -74,22 +74,19 @@ def resolved_directory(name_or_path: str, **kwargs: Any) -> str:
 
 
 def initialised_missing_tensor(checkpoint: str, layout: dict[str, Any] | None, name: str) -> dict[str, Any]:
-    """Load with ``strict=False``; return the full value of the (missing, so initialised) tensor ``name``, and the
-    largest logits difference to plain transformers loading the same checkpoint (where ``name`` gets its own init,
-    so logits are not compared: only that everything else loaded, through every other parameter)."""
+    """Load with ``strict=False``: the full value of the missing (so initialised) parameter ``name``, its local shape,
+    and the largest difference of every other parameter to plain transformers loading the same checkpoint."""
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=_context(layout), strict=False)
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint)
+    reference = dict(AutoModelForCausalLM.from_pretrained(checkpoint).named_parameters())
     parameters = dict(model.named_parameters())
-    others = {
-        other: (_full(parameter).detach() - dict(reference.named_parameters())[other]).abs().max().item()
-        for other, parameter in parameters.items()
-        if other != name
-    }
+    missing = parameters.pop(name)
+    others = [
+        (_full(parameter).detach() - reference[other]).abs().max().item() for other, parameter in parameters.items()
+    ]
+    local = missing.to_local() if isinstance(missing, DTensor) else missing
     return {
-        "value": _full(parameters[name]).detach().clone(),
-        "local_shape": tuple(parameters[name].to_local().shape)
-        if isinstance(parameters[name], DTensor)
-        else tuple(parameters[name].shape),
-        "others": max(others.values()),
+        "value": _full(missing).detach().clone(),
+        "local_shape": tuple(local.shape),
+        "others": max(others),
         "on_meta": [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta],
     }
