@@ -107,7 +107,9 @@ class CheckpointFiles:
             path = self.directory / filename
             try:
                 if self.kind == "safetensors":
-                    _check_safetensors_size(path)
+                    header = _checked_header(path)
+                    if header is not None:
+                        self._headers[filename] = header
                     self._handles[filename] = safe_open(str(path), framework="pt", device="cpu")
                 else:
                     # Files from before torch 1.6 (not zip archives) cannot be memory-mapped: load them whole.
@@ -143,38 +145,36 @@ def _listing(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _check_safetensors_size(path: Path) -> None:
-    """Raise when the file is shorter than its header says: a truncated download.
+def _checked_header(path: Path) -> SafetensorsHeader | None:
+    """The file's parsed header; raises when the file is shorter than its header says (a truncated download).
 
     Runs before ``safe_open``, whose own report of a short file does not say so plainly. A header that cannot be
-    parsed is left for ``safe_open`` to report as corruption.
+    parsed gives ``None``, left for ``safe_open`` to report as corruption.
     """
     actual = os.path.getsize(path)
-    with open(path, "rb") as stream:
-        prefix = stream.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(
-                f"Checkpoint file {path} is truncated: {actual} bytes, shorter than a safetensors header. Download it "
-                "again."
-            )
-        header_size = int.from_bytes(prefix, "little")
-        if header_size > MAX_SAFETENSORS_HEADER:
-            return
-        if 8 + header_size > actual:
-            raise CheckpointError(
-                f"Checkpoint file {path} is truncated: {actual} bytes, its header alone takes {8 + header_size}. "
-                "Download it again."
-            )
-        try:
-            header = json.loads(stream.read(header_size))
-            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return
-    expected = 8 + header_size + end
-    if actual < expected:
+    if actual < 8:
         raise CheckpointError(
-            f"Checkpoint file {path} is truncated: {actual} bytes, its header describes {expected}. Download it again."
+            f"Checkpoint file {path} is truncated: {actual} bytes, shorter than a safetensors header. Download it again."
         )
+    with open(path, "rb") as stream:
+        header_size = int.from_bytes(stream.read(8), "little")
+    if header_size > MAX_SAFETENSORS_HEADER:
+        return None
+    if 8 + header_size > actual:
+        raise CheckpointError(
+            f"Checkpoint file {path} is truncated: {actual} bytes, its header alone takes {8 + header_size}. "
+            "Download it again."
+        )
+    try:
+        header = read_header(path)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if actual < header.expected_size:
+        raise CheckpointError(
+            f"Checkpoint file {path} is truncated: {actual} bytes, its header describes {header.expected_size}. "
+            "Download it again."
+        )
+    return header
 
 
 def open_checkpoint(directory: Path) -> CheckpointFiles:
