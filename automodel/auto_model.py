@@ -18,7 +18,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from automodel.distributed import MeshContext, ModelParallelizer
 from automodel.loading import load_checkpoint, materialize, plan_checkpoint, resolve_checkpoint_dir
-from automodel.loading.sharded_loader import agree_or_raise, load_into, state_tensors
+from automodel.loading.agreement import agree_or_raise
+from automodel.loading.sharded_loader import load_into, state_tensors
 from automodel.loading.sources import InMemoryTensor
 from model_sidecars import sidecar_class
 

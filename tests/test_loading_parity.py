@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cases.loading import bytes_read_per_rank, from_config_matches_seed, loaded_parity
+from tests.cases.loading import bytes_read_per_rank, from_config_matches_seed, loaded_parity, loaded_weights
 from tests.tiny_models import ARCHITECTURES, save_tiny_checkpoint
 
 TOLERANCE = 1e-4
@@ -21,7 +21,13 @@ LAYOUTS = {
     "fsdp2_tp_2x2": (4, {"strategy": "fsdp2", "tp_size": 2}),
     "ddp2": (2, {"strategy": "ddp"}),
 }
-QUICK = {("llama", "fsdp2_dp4"), ("llama_tied", "fsdp2_tp_2x2"), ("mixtral", "tp2"), ("qwen3_moe", "hsdp_2x2")}
+QUICK = {
+    ("llama", "fsdp2_dp4"),
+    ("llama_tied", "fsdp2_tp_2x2"),
+    ("llama_uneven", "fsdp2_tp_2x2"),
+    ("mixtral", "tp2"),
+    ("qwen3_moe", "hsdp_2x2"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +97,15 @@ def test_registered_architecture_loads_as_its_sidecar_class(ranks2, checkpoints)
         assert "SidecarLlamaForCausalLM" in result["mro"], result
         assert result["units"].count("LlamaDecoderLayer") == 2 and result["units"][-1] == "SidecarLlamaForCausalLM"
         assert result["logits"] <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_weights_are_cast_while_copying_like_transformers(ranks4, checkpoints, dtype):
+    import torch
+
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    layout = {"strategy": "fsdp2", "tp_size": 2}
+    for result in ranks4.run(loaded_weights, checkpoints["llama_uneven"], layout, torch_dtype):
+        assert result["max_diff"] == 0.0 and result["dtypes"] == result["reference"], result
+        assert result["dtypes"] == (["torch.bfloat16"] if dtype == "bfloat16" else ["torch.float32"])

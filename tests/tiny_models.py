@@ -9,20 +9,8 @@ VOCAB = 96
 
 
 def tiny_llama_config(**overrides) -> PretrainedConfig:
-    """A 2-layer Llama with 4 query heads and 2 KV heads (TP=2 divides both)."""
-    values = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    values.update(overrides)
-    return AutoConfig.for_model("llama", **values)
+    """A 2-layer Llama with 4 query heads and 2 KV heads (TP=2 divides both), untied."""
+    return tiny_config("llama", **overrides)
 
 
 def build_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
@@ -66,6 +54,8 @@ ARCHITECTURES: dict[str, dict] = {
         max_position_embeddings=64,
         tie_word_embeddings=False,
     ),
+    # Sizes that do not divide 4 ranks (vocabulary 97, MLP width 70): uneven shards everywhere.
+    "llama_uneven": dict(model_type="llama", **{**_DENSE, "vocab_size": 97, "intermediate_size": 70}),
     "mixtral": dict(model_type="mixtral", **_DENSE, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(
         model_type="qwen3_moe",

@@ -33,7 +33,7 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's own TP plan with wildcards and full module prefixes (empty when it has none)."""
     plan = getattr(model, "tp_plan", None)
     if plan is None:
-        plan = getattr(type(model), "_tp_plan", None)
+        plan = getattr(model, "_tp_plan", None)
     return dict(plan or {})
 
 

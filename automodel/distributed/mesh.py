@@ -108,6 +108,26 @@ def _validate_layout(
     return dp_shard
 
 
+# Every mesh axis is a process group with its own transport threads; building the same layout again (a new
+# MeshContext for another model, a notebook cell run twice) reuses the groups instead of piling up new ones.
+_MESHES: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None]] = {}
+
+
+def _meshes(
+    device_type: str, shape: tuple[int, int, int, int], ep_size: int
+) -> tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None]:
+    # The group object itself (not its id) is in the key: a destroyed and re-created default group gets new meshes.
+    key = (dist.distributed_c10d._get_default_group(), device_type, shape, ep_size)
+    if key not in _MESHES:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=DENSE_AXES)
+        moe_mesh = None
+        if ep_size > 1:
+            world_size = mesh.size()
+            moe_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=MOE_AXES)
+        _MESHES[key] = (mesh, _flatten_dense_axes(mesh), moe_mesh)
+    return _MESHES[key]
+
+
 def _flatten_dense_axes(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
     """Create the flattened axes; torch wants callers to keep the flattened meshes rather than slice them again."""
     return {flat_name: mesh[axes]._flatten(mesh_dim_name=flat_name) for flat_name, axes in FLATTENED_AXES.items()}
@@ -159,12 +179,7 @@ class MeshContext:
         dp_shard = _validate_layout(
             strategy, world_size, dp_replicate_size, tp_size, cp_size, ep_size, sequence_parallel
         )
-        device_type = _device_type()
-        mesh = init_device_mesh(device_type, (dp_replicate_size, dp_shard, cp_size, tp_size), mesh_dim_names=DENSE_AXES)
-        flattened = _flatten_dense_axes(mesh)
-        moe_mesh = None
-        if ep_size > 1:
-            moe_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=MOE_AXES)
+        mesh, flattened, moe_mesh = _meshes(_device_type(), (dp_replicate_size, dp_shard, cp_size, tp_size), ep_size)
         return cls(
             device_mesh=mesh,
             strategy=strategy,

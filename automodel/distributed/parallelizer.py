@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .activation_checkpointing import apply_activation_checkpointing
 from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
+from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
 from .fsdp import default_fsdp_units, fsdp_mesh, fully_shard_default
 from .megatron_fsdp import apply_megatron_fsdp, require_megatron_fsdp
@@ -91,11 +92,13 @@ class ModelParallelizer:
         reapply_trainability: Callable[[nn.Module], None] | None = None,
         **kwargs: Any,
     ) -> nn.Module:
-        """The complete dense FSDP2 flow: TP (+SP) -> activation checkpointing -> trainability -> FSDP units -> root.
+        """The complete dense FSDP2 flow: TP (+SP) -> CP -> activation checkpointing -> trainability -> FSDP units ->
+        root.
 
         Override to surround or replace it for one model, and call ``super()._apply(...)`` to keep the ordering.
         """
         _tensor_parallel_step(self, model, device_mesh[tp_mesh_name], sequence_parallel, tp_shard_plan)
+        _context_parallel_step(model, device_mesh["cp"])
         _activation_checkpointing_step(self, model, activation_checkpointing)
         if reapply_trainability is not None:
             reapply_trainability(model)
@@ -137,7 +140,7 @@ class ModelParallelizer:
 
     def _validate_tp_mesh(self, model: nn.Module, tp_mesh: DeviceMesh) -> None:
         """Raise when ``model`` cannot be tensor-parallelized over ``tp_mesh`` (default: attention head counts)."""
-        validate_attention_heads(model, tp_mesh.size(), resolve_tp_plan(model, self._tp_plan))
+        validate_attention_heads(model, tp_mesh.size(), resolve_tp_plan(model))
 
     def _use_full_layer_activation_checkpointing(self, model: nn.Module) -> bool:
         """Whether activation checkpointing wraps whole decoder layers instead of their attention / MLP blocks."""
@@ -154,8 +157,16 @@ def _tensor_parallel_step(
     if tp_mesh.size() == 1:
         return
     plan = resolve_tp_plan(model, tp_shard_plan if tp_shard_plan is not None else parallelizer._tp_plan)
+    # The model records the plan it is sharded with (as transformers' own TP does), so `_validate_tp_mesh` and later
+    # readers (checkpoint saving) see the plan actually applied.
+    model._tp_plan = plan
     parallelizer._validate_tp_mesh(model, tp_mesh)
     apply_tensor_parallel(model, tp_mesh, plan, sequence_parallel=sequence_parallel)
+
+
+def _context_parallel_step(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    if cp_mesh.size() > 1:
+        apply_context_parallel(model, cp_mesh)
 
 
 def _activation_checkpointing_step(parallelizer: ModelParallelizer, model: nn.Module, mode: bool | str) -> None:

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
 
+from .agreement import agree_or_raise
 from .checkpoint_files import BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE
-from .sharded_loader import agree_or_raise
 
 try:  # huggingface_hub >= 1.x: offline, a snapshot its cached tree listing shows to be partial
     from huggingface_hub.errors import IncompleteSnapshotError

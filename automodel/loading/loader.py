@@ -12,10 +12,11 @@ from torch import nn
 
 from automodel.distributed.model_structure import retie_parameters, tied_parameter_names
 
+from .agreement import agree_or_raise
 from .checkpoint_files import CheckpointError, CheckpointFiles, open_checkpoint
 from .initialization import initialize_missing, non_persistent_buffer_names
 from .key_mapping import KeyPlan, ignored, plan_keys
-from .sharded_loader import LoadReport, agree_or_raise, load_into, peak_rss_bytes, state_tensors, timer
+from .sharded_loader import LoadReport, load_into, peak_rss_bytes, state_tensors, timer
 from .sources import Source
 
 __all__ = ["CheckpointPlan", "load_checkpoint", "materialize", "plan_checkpoint"]

@@ -8,16 +8,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from .checkpoint_files import CheckpointError
 from .initialization import local_view
 from .placements import local_indices
 from .sources import Source
 
-__all__ = ["LoadReport", "agree_or_raise", "load_into", "state_tensors"]
+__all__ = ["LoadReport", "load_into", "peak_rss_bytes", "state_tensors"]
 
 
 @dataclass
@@ -61,28 +59,6 @@ def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = 
         for name, tensor in bar:
             sources[name].read_into(local_indices(tensor), local_view(tensor))
     return len(targets)
-
-
-def agree_or_raise(error: BaseException | None, what: str) -> None:
-    """Collective: if any rank failed ``what``, every rank raises, naming the failing ranks and their messages.
-
-    A failure only one rank sees (its shard file unreadable, say) would otherwise leave the others waiting in the
-    next collective.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    failed = {rank: message for rank, message in enumerate(messages) if message is not None}
-    if not failed:
-        return
-    details = "\n".join(f"  rank {rank}: {message}" for rank, message in sorted(failed.items()))
-    combined = CheckpointError(f"{what} failed on {len(failed)} of {len(messages)} ranks:\n{details}")
-    if error is not None:
-        raise combined from error
-    raise combined
 
 
 def peak_rss_bytes() -> int:

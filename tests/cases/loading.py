@@ -130,3 +130,20 @@ def registry_sidecar_is_used(checkpoint: str) -> dict[str, Any]:
         "units": list(CountingParallelizer.units),
         "logits": logits,
     }
+
+
+def loaded_weights(checkpoint: str, layout: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    """Largest difference between the loaded weights (as full tensors) and plain transformers' for ``dtype``."""
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, dtype=dtype)
+    reference = dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).named_parameters())
+    diffs, dtypes = [], set()
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        dtypes.add(str(full.dtype))
+        diffs.append((full.float() - reference[name].float()).abs().max().item())
+    return {
+        "max_diff": max(diffs),
+        "dtypes": sorted(dtypes),
+        "reference": sorted({str(p.dtype) for p in reference.values()}),
+    }

@@ -1,0 +1,144 @@
+"""Context parallelism: the sequence is split over the ``cp`` ranks; attention all-gathers keys and values.
+
+Each CP rank holds two chunks of every sequence (chunks ``r`` and ``2*cp - 1 - r`` of ``2*cp``), so causal attention
+costs the same on every rank (load balancing). Attention runs through a transformers attention function registered
+under :data:`CP_ATTENTION`: it all-gathers K/V over ``cp`` (autograd-aware: their gradients are reduce-scattered
+back), and masks causally by the tokens' global positions, which the model receives as ``position_ids``. This runs on
+gloo (CPU) and NCCL alike; torch's own ``context_parallel`` has no sharding rule for the CPU SDPA kernel.
+
+Supported: causal decoder layers whose attention goes through transformers' attention interface, without sliding
+windows or attention sinks, and batches without padding masks (pack or pad to full length instead).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from .model_structure import decoder_layers
+
+__all__ = ["CP_ATTENTION", "apply_context_parallel", "gather_sequence", "shard_batch_for_context_parallel"]
+
+CP_ATTENTION = "automodel_context_parallel"
+
+# torch 2.13 renamed the functional all-gathers (the old names warn); torch >= 2.9 is supported.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+IGNORE_INDEX = -100
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Route ``model``'s attention through the CP kernel over ``cp_mesh``; refuse blocks it cannot handle."""
+    _refuse_unsupported(model)
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            module._automodel_cp_mesh = cp_mesh
+    AttentionInterface.register(CP_ATTENTION, _context_parallel_attention)
+    # The kernel builds its own causal mask from global positions: the model need not build one.
+    AttentionMaskInterface.register(CP_ATTENTION, _no_mask)
+    model.set_attn_implementation(CP_ATTENTION)
+
+
+def _refuse_unsupported(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = set(getattr(text_config, "layer_types", None) or ())
+    sliding = getattr(text_config, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types)
+    for index, layer in enumerate(decoder_layers(model)):
+        name = f"decoder layer {index} ({type(layer).__name__})"
+        if not hasattr(layer, "self_attn"):
+            raise ValueError(f"Context parallelism cannot handle {name}: it has no `self_attn` attention block.")
+        if sliding:
+            raise ValueError(
+                f"Context parallelism cannot handle {name}: its attention uses a sliding window "
+                f"(sliding_window={text_config.sliding_window}). Use cp_size=1 for this model."
+            )
+        if any(param_name.endswith("sinks") for param_name, _ in layer.self_attn.named_parameters()):
+            raise ValueError(f"Context parallelism cannot handle {name}: its attention has sinks. Use cp_size=1.")
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def _context_parallel_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention of the local queries against the whole sequence's keys and values."""
+    mesh = module._automodel_cp_mesh
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise ValueError(
+            "Context parallelism needs the tokens' global `position_ids`: shard batches with "
+            "automodel.distributed.context_parallel.shard_batch_for_context_parallel."
+        )
+    group = mesh.get_group()
+    keys = _all_gather_autograd(key.contiguous(), gather_dim=2, group=group)
+    values = _all_gather_autograd(value.contiguous(), gather_dim=2, group=group)
+    all_positions = _all_gather(positions.contiguous(), gather_dim=1, group=group)
+    mask = positions[:, None, :, None] >= all_positions[:, None, None, :]
+    output = F.scaled_dot_product_attention(
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _chunk_order(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def shard_batch_for_context_parallel(
+    input_ids: torch.Tensor, labels: torch.Tensor | None, cp_mesh: DeviceMesh
+) -> dict[str, torch.Tensor]:
+    """This CP rank's part of a causal-LM batch: ``input_ids``, ``position_ids`` and ``shift_labels``.
+
+    Labels are shifted over the whole sequence first (the loss of the last token of one shard needs the first token
+    of the next), so call the model as ``model(**batch, labels=batch["shift_labels"])``: transformers' causal-LM
+    loss uses ``shift_labels`` as given. The sequence length must be a multiple of ``2 * cp_size``.
+    """
+    cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    length = input_ids.shape[1]
+    if length % (2 * cp_size):
+        raise ValueError(
+            f"Context parallelism splits each sequence into 2 * cp_size = {2 * cp_size} chunks, and the sequence "
+            f"length {length} is not a multiple of it: pad the batch to a multiple of {2 * cp_size}."
+        )
+    positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+    batch = {"input_ids": input_ids, "position_ids": positions}
+    if labels is not None:
+        batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    chunk = length // (2 * cp_size)
+    first, second = _chunk_order(cp_size, cp_rank)
+    return {
+        name: torch.cat([t[:, first * chunk : (first + 1) * chunk], t[:, second * chunk : (second + 1) * chunk]], 1)
+        for name, t in batch.items()
+    }
+
+
+def gather_sequence(local: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int = 1) -> torch.Tensor:
+    """The whole-sequence tensor (e.g. logits) from every CP rank's load-balanced part, in sequence order."""
+    cp_size = cp_mesh.size()
+    gathered = _all_gather(local.contiguous(), gather_dim=seq_dim, group=cp_mesh.get_group())
+    pieces = gathered.chunk(2 * cp_size, dim=seq_dim)  # rank r contributed pieces 2r and 2r+1
+    ordered = [None] * (2 * cp_size)
+    for rank in range(cp_size):
+        first, second = _chunk_order(cp_size, rank)
+        ordered[first], ordered[second] = pieces[2 * rank], pieces[2 * rank + 1]
+    return torch.cat(ordered, dim=seq_dim)

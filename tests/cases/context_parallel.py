@@ -1,0 +1,66 @@
+"""Rank-side cases for context parallelism (run inside ``tests.harness.RankPool`` workers)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from automodel.distributed import MeshContext, ModelParallelizer
+from automodel.distributed.context_parallel import gather_sequence, shard_batch_for_context_parallel
+from tests.tiny_models import build_model, tiny_config, token_batch
+
+
+def cp_parity(layout: dict[str, Any], architecture: str, seq_len: int) -> dict[str, Any]:
+    """CP model on load-balanced sequence shards vs the same model in one plain process (CP=1)."""
+    context = MeshContext.build(**layout)
+    reference = build_model(tiny_config(architecture))
+    model = ModelParallelizer().parallelize(copy.deepcopy(reference), context)
+    batch = token_batch(seq_len=seq_len)
+    ref_out = reference(input_ids=batch, labels=batch)
+    ref_out.loss.backward()
+
+    rows = batch.shape[0] // context.dp_size
+    mine = batch[context.mesh("dp").get_local_rank() * rows :][:rows]
+    cp_mesh = context.mesh("cp")
+    local = shard_batch_for_context_parallel(mine, mine, cp_mesh)
+    # Token-weighted loss: each rank divides its sum by (all valid tokens / ranks that average gradients), so the
+    # gradient average over dp x cp is the mean over every token of the global batch.
+    valid = (batch[:, 1:] != -100).sum().item()
+    out = model(
+        input_ids=local["input_ids"],
+        position_ids=local["position_ids"],
+        labels=local["shift_labels"],
+        shift_labels=local["shift_labels"],
+        num_items_in_batch=valid / context.size("dp_cp"),
+    )
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=context.mesh("dp_cp").get_group())
+    loss /= context.size("dp_cp")
+    logits = gather_sequence(out.logits.detach(), cp_mesh)
+    ref_grads = dict(reference.named_parameters())
+    grads = {
+        name: ((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - ref_grads[name].grad).abs().max()
+        for name, p in model.named_parameters()
+    }
+    return {
+        "local_len": local["input_ids"].shape[1],
+        "logits": (logits - ref_out.logits[context.mesh("dp").get_local_rank() * rows :][:rows]).abs().max().item(),
+        "loss": (loss - ref_out.loss.detach()).abs().item(),
+        "grad": max(g.item() for g in grads.values()),
+    }
+
+
+def cp_error(layout: dict[str, Any], architecture: str, seq_len: int | None = None, **overrides: Any) -> str:
+    """The error parallelizing (or sharding a batch of ``seq_len`` tokens) raises."""
+    context = MeshContext.build(**layout)
+    try:
+        model = ModelParallelizer().parallelize(build_model(tiny_config(architecture, **overrides)), context)
+        if seq_len is not None:
+            shard_batch_for_context_parallel(token_batch(seq_len=seq_len), None, context.mesh("cp"))
+    except ValueError as error:
+        return str(error)
+    return f"no error ({type(model).__name__})"
