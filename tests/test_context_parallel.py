@@ -24,6 +24,20 @@ def test_context_parallel_matches_one_process(request, world, layout, architectu
         assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, result
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"strategy": "fsdp2", "cp_size": 2, "tp_size": 2},
+        {"strategy": "fsdp2", "cp_size": 2, "tp_size": 2, "sequence_parallel": True},
+        {"strategy": "fsdp2", "cp_size": 2, "dp_replicate_size": 2, "activation_checkpointing": "selective"},
+    ],
+    ids=["cp2_x_tp2", "cp2_x_tp2_sp", "hsdp2_x_cp2_selective_ac"],
+)
+def test_context_parallel_composes_with_tp_sp_hsdp_and_ac(ranks4, layout):
+    for result in ranks4.run(cp_parity, layout, "qwen3", 16):
+        assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, result
+
+
 def test_sequence_not_a_multiple_of_two_cp_is_a_clear_error(ranks2):
     message = ranks2.run(cp_error, {"strategy": "fsdp2", "cp_size": 2}, "llama", 10)[0]
     assert "2 * cp_size = 4 chunks" in message and "length 10" in message
