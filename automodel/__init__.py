@@ -17,11 +17,23 @@ _LAZY = {
     "DDPConfig": "automodel.distributed",
     "MegatronFSDPConfig": "automodel.distributed",
     "MoEConfig": "automodel.distributed",
+    "NeMoAutoModel": "automodel.auto_model",
+    "NeMoAutoModelForCausalLM": "automodel.auto_model",
 }
 
-__all__ = ["DDPConfig", "FSDP2Config", "MegatronFSDPConfig", "MeshContext", "MoEConfig", "ModelParallelizer"]
+__all__ = [
+    "DDPConfig",
+    "FSDP2Config",
+    "MegatronFSDPConfig",
+    "MeshContext",
+    "MoEConfig",
+    "ModelParallelizer",
+    "NeMoAutoModel",
+    "NeMoAutoModelForCausalLM",
+]
 
 if TYPE_CHECKING:
+    from automodel.auto_model import NeMoAutoModel, NeMoAutoModelForCausalLM
     from automodel.distributed import (
         DDPConfig,
         FSDP2Config,
