@@ -27,4 +27,4 @@ test-quick:
 	$(PYTHON) -m pytest tests -q -m "not slow"
 
 demo:
-	$(BIN)torchrun --nproc-per-node 2 docs/examples/parallelize_by_hand.py
+	$(BIN)torchrun --standalone --nproc-per-node 2 docs/examples/parallelize_by_hand.py

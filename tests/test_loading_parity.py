@@ -109,3 +109,19 @@ def test_weights_are_cast_while_copying_like_transformers(ranks4, checkpoints, d
     for result in ranks4.run(loaded_weights, checkpoints["llama_uneven"], layout, torch_dtype):
         assert result["max_diff"] == 0.0 and result["dtypes"] == result["reference"], result
         assert result["dtypes"] == (["torch.bfloat16"] if dtype == "bfloat16" else ["torch.float32"])
+
+
+def test_transformers_argument_conventions(checkpoints):
+    import torch
+
+    from automodel import NeMoAutoModelForCausalLM
+
+    with pytest.warns(FutureWarning, match="torch_dtype"):
+        model = NeMoAutoModelForCausalLM.from_pretrained(checkpoints["llama"], torch_dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    model = NeMoAutoModelForCausalLM.from_pretrained(
+        checkpoints["llama"], dtype="bfloat16", attn_implementation="eager"
+    )
+    assert model.config._attn_implementation == "eager" and model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype='float33' is not a torch dtype"):
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype="float33")
