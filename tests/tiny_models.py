@@ -44,14 +44,10 @@ ARCHITECTURES: dict[str, dict] = {
     "mistral": dict(model_type="mistral", **_DENSE, tie_word_embeddings=False),
     "gemma3": dict(model_type="gemma3_text", **_DENSE, head_dim=8, sliding_window=4, query_pre_attn_scalar=8),
     "phi3": dict(model_type="phi3", **_DENSE, pad_token_id=0, tie_word_embeddings=False),
+    # GPT-NeoX has no grouped-query attention.
     "gpt_neox": dict(
         model_type="gpt_neox",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
+        **{k: v for k, v in _DENSE.items() if k != "num_key_value_heads"},
         tie_word_embeddings=False,
     ),
     # Sizes that do not divide 4 ranks (vocabulary 97, MLP width 70): uneven shards everywhere.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from .agreement import agree_or_raise
 from .checkpoint_files import CheckpointError, CheckpointFiles, open_checkpoint
 from .initialization import initialize_missing, non_persistent_buffer_names
 from .key_mapping import KeyPlan, ignored, plan_keys
-from .sharded_loader import LoadReport, load_into, peak_rss_bytes, state_tensors, timer
+from .sharded_loader import LoadReport, load_into, peak_rss_bytes, state_tensors
 from .sources import Source
 
 __all__ = ["CheckpointPlan", "load_checkpoint", "materialize", "plan_checkpoint"]
@@ -61,7 +62,7 @@ def plan_checkpoint(model: nn.Module, directory: Path, *, strict: bool = True) -
 def load_checkpoint(model: nn.Module, plan: CheckpointPlan, *, progress: bool = True, seed: int = 0) -> LoadReport:
     """Fill ``model`` (parallelized and materialized) from a checked ``plan``: each rank reads only the slices of
     its own shards; missing tensors and non-persistent buffers get the model's own init."""
-    start = timer()
+    start = time.perf_counter()
     report = LoadReport()
     error = None
     try:
@@ -74,7 +75,7 @@ def load_checkpoint(model: nn.Module, plan: CheckpointPlan, *, progress: bool = 
     report.initialized = sorted(plan.keys.missing)
     initialize_missing(model, set(plan.keys.missing) | non_persistent_buffer_names(model), seed=seed)
     report.bytes_read = plan.files.bytes_read
-    report.seconds = timer() - start
+    report.seconds = time.perf_counter() - start
     report.peak_rss_bytes = peak_rss_bytes()
     return report
 

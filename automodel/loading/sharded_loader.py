@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -64,7 +63,3 @@ def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def timer() -> float:
-    return time.perf_counter()
