@@ -13,10 +13,18 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from automodel.distributed import MeshContext, ModelParallelizer
+from automodel.distributed.megatron_fsdp import install_loaded_weights
 from automodel.loading import load_checkpoint, materialize, plan_checkpoint, resolve_checkpoint_dir
 from automodel.loading.agreement import agree_or_raise
 from automodel.loading.sharded_loader import load_into, state_tensors
@@ -80,12 +88,14 @@ class _NeMoAutoBase:
         _set_tp_plan(model, tp_plan)
         model = _parallelize(model, mesh_context)
         materialize(model, _device(mesh_context))
-        report = load_checkpoint(model, plan, progress=True)
+        inner = _transformers_model(model)
+        report = load_checkpoint(inner, plan, progress=True)
+        install_loaded_weights(model)
         if _is_rank_zero():
-            logger.info("%s from %s: %s", type(model).__name__, directory, report.summary())
-        if (directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
-            model.generation_config = GenerationConfig.from_pretrained(directory)
-        model.name_or_path = str(name_or_path)
+            logger.info("%s from %s: %s", type(inner).__name__, directory, report.summary())
+        if (directory / "generation_config.json").is_file() and hasattr(inner, "generation_config"):
+            inner.generation_config = GenerationConfig.from_pretrained(directory)
+        inner.name_or_path = str(name_or_path)
         return model.eval()
 
     @classmethod
@@ -172,6 +182,15 @@ def _parallelize(model: nn.Module, mesh_context: MeshContext | None) -> nn.Modul
         return model
     parallelizer = getattr(type(model), "parallelizer", None) or ModelParallelizer()
     return parallelizer.parallelize(model, mesh_context)
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model itself, also when a strategy returned a wrapper around it (Megatron-FSDP's
+    ``MegatronFSDP`` keeps it as ``.module``)."""
+    inner = getattr(model, "module", None)
+    if not isinstance(model, PreTrainedModel) and isinstance(inner, PreTrainedModel):
+        return inner
+    return model
 
 
 def _device(mesh_context: MeshContext | None) -> torch.device:

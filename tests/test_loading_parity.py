@@ -21,12 +21,20 @@ LAYOUTS = {
     "fsdp2_tp_2x2": (4, {"strategy": "fsdp2", "tp_size": 2}),
     "ddp2": (2, {"strategy": "ddp"}),
 }
+# The unified MoE path, for the architectures with routed experts.
+EP_LAYOUTS = {
+    "ep2": (4, {"strategy": "fsdp2", "ep_size": 2}),
+    "ep4": (4, {"strategy": "fsdp2", "ep_size": 4}),
+    "ep2_x_tp2": (4, {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2}),
+}
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe")
 QUICK = {
     ("llama", "fsdp2_dp4"),
     ("llama_tied", "fsdp2_tp_2x2"),
     ("llama_uneven", "fsdp2_tp_2x2"),
     ("mixtral", "tp2"),
     ("qwen3_moe", "hsdp_2x2"),
+    ("mixtral", "ep2_x_tp2"),
 }
 
 
@@ -38,7 +46,8 @@ def checkpoints(tmp_path_factory):
 
 def _matrix():
     for arch in ARCHITECTURES:
-        for name, (world, layout) in LAYOUTS.items():
+        layouts = {**LAYOUTS, **EP_LAYOUTS} if arch in MOE_ARCHITECTURES else LAYOUTS
+        for name, (world, layout) in layouts.items():
             marks = [pytest.mark.distributed] + ([] if (arch, name) in QUICK else [pytest.mark.slow])
             yield pytest.param(arch, world, layout, id=f"{arch}-{name}", marks=marks)
 
@@ -66,9 +75,19 @@ def test_without_mesh_context_it_is_plain_transformers(checkpoints, arch):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_each_rank_reads_only_its_shards(ranks4, checkpoints, arch):
-    for result in ranks4.run(bytes_read_per_rank, checkpoints[arch], {"strategy": "fsdp2"}):
+@pytest.mark.parametrize(
+    ("arch", "layout"),
+    [
+        ("llama", {"strategy": "fsdp2"}),
+        ("mixtral", {"strategy": "fsdp2"}),
+        ("mixtral", {"strategy": "fsdp2", "ep_size": 2}),
+        ("mixtral", {"strategy": "fsdp2", "ep_size": 4}),
+    ],
+    ids=["llama", "mixtral", "mixtral_ep2", "mixtral_ep4"],
+)
+def test_each_rank_reads_only_its_shards(ranks4, checkpoints, arch, layout):
+    """Legacy per-expert keys too: with EP each rank reads only its own experts (and its FSDP shard of them)."""
+    for result in ranks4.run(bytes_read_per_rank, checkpoints[arch], layout):
         # Each rank reads exactly what it stores (fp32 checkpoint into an fp32 model): a quarter of the total.
         assert result["read"] == result["local"], result
         assert result["read"] <= result["total"] / 4 * 1.05, result

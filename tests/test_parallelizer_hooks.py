@@ -68,12 +68,6 @@ def test_sequence_parallel_needs_a_divisible_sequence(ranks2):
     assert "sequence length (7)" in message and "tp_size (2)" in message
 
 
-def test_ep_branch_says_the_moe_path_is_not_built(ranks2):
-    for message in ranks2.run(hooks.moe_path_not_built):
-        assert message.startswith("NotImplementedError")
-        assert "unified MoE TP + CP + EP + FSDP path" in message
-
-
 def test_megatron_fsdp_maps_its_config_and_refuses_cpu_before_touching_the_model(ranks2):
     for result in ranks2.run(hooks.megatron_on_cpu):
         assert "needs CUDA GPUs" in result["error"]

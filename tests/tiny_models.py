@@ -63,6 +63,7 @@ ARCHITECTURES: dict[str, dict] = {
         decoder_sparse_step=1,
         tie_word_embeddings=False,
     ),
+    "olmoe": dict(model_type="olmoe", **_DENSE, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
 }
 
 

@@ -3,24 +3,38 @@
 ``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module`` into every parameter name; instead the module's
 bound ``forward`` is wrapped in ``torch.utils.checkpoint.checkpoint`` in place. Hooks (TP transforms, FSDP
 unshard/reshard) stay outside the checkpointed region, as with the wrapper.
+
+MoE routing decisions are saved, not recomputed, in both modes: every top-k a checkpointed block runs in forward is
+recorded, and the backward replay gets the recorded result instead of computing it again (a recomputed top-k can
+route differently on GPU, and then the replayed experts see other tokens than the forward did).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from .model_structure import decoder_layers
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_module", "selective_checkpoint_policy"]
 
 _aten = torch.ops.aten
-# Saved under "selective": the matmul outputs (expensive to recompute) and routing decisions (top-k can pick other
-# experts when recomputed on GPU). Everything else (norms, activations, elementwise) is recomputed.
+# Saved under "selective": the matmul outputs (expensive to recompute). Everything else (norms, activations,
+# elementwise) is recomputed, except the routing top-k, which both modes replay (`_routing_contexts`). Top-k is not
+# a SAC "save" op: routers normalise its output in place, which SAC's cache refuses.
 _SAVED_OPS = {
     _aten.mm.default,
     _aten.addmm.default,
@@ -29,8 +43,9 @@ _SAVED_OPS = {
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten.topk.default,
 }
+# The ops that make routing decisions (transformers' MoE routers all select experts with top-k).
+_ROUTING_OPS = {_aten.topk.default}
 
 
 # transformers' names for the KV cache argument of layers and attention modules.
@@ -38,16 +53,80 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def selective_checkpoint_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Save matmul, attention and top-k outputs; recompute the rest."""
+    """Save matmul and attention outputs; recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_module(module: nn.Module, *, selective: bool = False) -> nn.Module:
-    """Recompute ``module``'s forward during backward (``selective``: only what the policy does not save)."""
+class _RecordRouting(TorchDispatchMode):
+    """Forward side: keep a copy of every routing op's result (copied before the router edits it in place)."""
+
+    def __init__(self, decisions: list[Any]) -> None:
+        super().__init__()
+        self.decisions = decisions
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ROUTING_OPS:
+            self.decisions.append(tree_map_only(torch.Tensor, lambda t: t.detach().clone(), out))
+        return out
+
+
+class _ReplayRouting(TorchDispatchMode):
+    """Recompute side: hand back the recorded routing results, in order, instead of computing them again.
+
+    Autograd sits above this mode, so the replayed top-k still gets its backward node (scattering into the
+    recomputed router logits).
+    """
+
+    def __init__(self, decisions: list[Any]) -> None:
+        super().__init__()
+        self.decisions = decisions
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _ROUTING_OPS:
+            return func(*args, **(kwargs or {}))
+        if not self.decisions:
+            raise RuntimeError(
+                "The backward recomputation of a checkpointed block ran more routing top-k ops than its forward did."
+            )
+        return self.decisions.pop(0)
+
+
+@contextlib.contextmanager
+def _nested(*managers: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+def _routing_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``checkpoint`` contexts (forward, recompute) that record and replay routing decisions."""
+    decisions: list[Any] = []
+    return _RecordRouting(decisions), _ReplayRouting(decisions)
+
+
+def _selective_contexts(
+    replay_routing: bool,
+) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """Torch's selective-checkpoint contexts for ``selective_checkpoint_policy``, plus the routing replay."""
+    save_forward, save_recompute = create_selective_checkpoint_contexts(selective_checkpoint_policy)
+    if not replay_routing:
+        return save_forward, save_recompute
+    record, replay = _routing_contexts()
+    return _nested(save_forward, record), _nested(save_recompute, replay)
+
+
+def checkpoint_module(module: nn.Module, *, selective: bool = False, replay_routing: bool = True) -> nn.Module:
+    """Recompute ``module``'s forward during backward (``selective``: only what the policy does not save).
+
+    With ``replay_routing`` routing decisions (top-k) are recorded in forward and replayed in the recomputation.
+    """
     inner = module.forward
-    context_fn = (
-        functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy) if selective else None
-    )
+    if selective:
+        context_fn = functools.partial(_selective_contexts, replay_routing)
+    else:
+        context_fn = _routing_contexts if replay_routing else noop_context_fn
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
@@ -60,8 +139,7 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False) -> nn.Modul
                 kwargs[name] = None
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
-        extra = {"context_fn": context_fn} if context_fn is not None else {}
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
 
     module.forward = forward
     module._automodel_checkpointed = True
@@ -79,6 +157,7 @@ def apply_activation_checkpointing(
     *,
     full_layers: bool,
     blocks: Callable[[nn.Module], list[nn.Module]] = _layer_blocks,
+    replay_routing: bool = True,
 ) -> list[nn.Module]:
     """Checkpoint each decoder layer's blocks (attention, MLP) or, with ``full_layers``, whole decoder layers.
 
@@ -91,5 +170,5 @@ def apply_activation_checkpointing(
     for layer in decoder_layers(model):
         targets.extend([layer] if full_layers else blocks(layer))
     for module in targets:
-        checkpoint_module(module, selective=mode == "selective")
+        checkpoint_module(module, selective=mode == "selective", replay_routing=replay_routing)
     return targets

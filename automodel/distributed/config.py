@@ -73,7 +73,8 @@ class MegatronFSDPConfig:
         zero_dp_strategy: 0 = no sharding, 1 = optimizer, 2 = + gradients, 3 = + parameters.
         overlap_grad_reduce: overlap the gradient reduce-scatter with backward compute.
         overlap_param_gather: overlap the parameter all-gather with forward compute.
-        preserve_fp32_weights: keep an fp32 main copy of low-precision weights.
+        preserve_fp32_weights: keep an fp32 main copy of low-precision weights (Megatron-FSDP's
+            ``MixedPrecisionPolicy(main_params_dtype=torch.float32)``; ``None`` otherwise).
         calculate_per_token_loss: scale gradients per token instead of per sample.
         keep_fp8_transpose_cache: keep FP8 transposes between forward and backward.
     """
@@ -92,7 +93,6 @@ class MegatronFSDPConfig:
             "zero_dp_strategy": self.zero_dp_strategy,
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "overlap_param_gather": self.overlap_param_gather,
-            "preserve_fp32_weights": self.preserve_fp32_weights,
             "calculate_per_token_loss": self.calculate_per_token_loss,
             "keep_fp8_transpose_cache": self.keep_fp8_transpose_cache,
         }
@@ -103,12 +103,11 @@ class MoEConfig:
     """Mixture-of-experts policy used by the unified MoE TP + CP + EP + FSDP path.
 
     Args:
-        shard_experts_over_ep_shard: FSDP-shard each rank's experts over the ``ep_shard`` axis.
-        save_router_decisions: under activation checkpointing, keep the router's top-k outputs instead of recomputing
-            them (recomputed top-k can route differently on GPU).
+        save_router_decisions: under activation checkpointing, record the routers' top-k results in forward and
+            replay them in the backward recomputation instead of recomputing them (a recomputed top-k can route
+            differently on GPU). Applies with and without EP.
     """
 
-    shard_experts_over_ep_shard: bool = True
     save_router_decisions: bool = True
 
 

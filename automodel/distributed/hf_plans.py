@@ -9,7 +9,9 @@ use both as they are. What transformers does not have yet is sequence parallelis
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
+from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _get_parameter_plan
 from transformers.distributed.tensor_parallel import (
     RowwiseParallel,
@@ -18,10 +20,13 @@ from transformers.distributed.tensor_parallel import (
 )
 
 __all__ = [
+    "EXPERT_DISPATCH_STYLE",
     "SequenceParallelNorm",
     "SequenceParallelRowwise",
     "TensorParallelLayer",
     "expand_plan",
+    "install_expert_parallel",
+    "model_ep_plan",
     "model_fsdp_plan",
     "model_tp_plan",
     "module_style",
@@ -35,6 +40,26 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     if plan is None:
         plan = getattr(model, "_tp_plan", None)
     return dict(plan or {})
+
+
+def model_ep_plan(model: nn.Module) -> dict[str, str]:
+    """The model's transformers expert-parallel plan (``config.base_model_ep_plan`` + ``_ep_plan``), or empty."""
+    return dict(getattr(model, "ep_plan", None) or {})
+
+
+#: The EP plan style of a routed-experts module whose tokens are dispatched to the experts' owners.
+EXPERT_DISPATCH_STYLE = "ep_dispatch_experts"
+
+
+def install_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """Shard the plan's expert weights over ``ep_mesh`` (``Shard(0)``: whole experts per rank) and route each
+    experts module's tokens to their owners with transformers' all-to-all dispatcher.
+
+    ``plan`` is expanded (no wildcards). The dispatcher handles uneven and empty token counts (an experts module that
+    receives no rows still runs backward, so FSDP's reduction and the reverse all-to-all take place on every rank);
+    ``tp_mesh`` is the group holding one batch, whose ranks each dispatch a disjoint slice of it.
+    """
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
 
 
 def model_fsdp_plan(model: nn.Module) -> dict[str, str]:

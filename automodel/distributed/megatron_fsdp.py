@@ -12,7 +12,14 @@ from .config import MegatronFSDPConfig
 from .mesh import MeshContext
 from .model_structure import decoder_layers
 
-__all__ = ["apply_megatron_fsdp", "megatron_fsdp_arguments", "require_megatron_fsdp"]
+__all__ = [
+    "apply_megatron_fsdp",
+    "install_loaded_weights",
+    "is_megatron_fsdp_parameter",
+    "megatron_fsdp_arguments",
+    "megatron_fsdp_local_indices",
+    "require_megatron_fsdp",
+]
 
 
 def require_megatron_fsdp() -> ModuleType:
@@ -55,4 +62,48 @@ def apply_megatron_fsdp(model: nn.Module, context: MeshContext) -> nn.Module:
     Megatron-FSDP returns its own ``MegatronFSDP`` wrapper; the model is its ``.module``.
     """
     megatron_fsdp = require_megatron_fsdp()
-    return megatron_fsdp.fully_shard_model(**megatron_fsdp_arguments(model, context))
+    arguments = megatron_fsdp_arguments(model, context)
+    if arguments["init_model_with_meta_device"]:
+        _allow_meta_init(model)
+    main_params_dtype = torch.float32 if context.strategy.preserve_fp32_weights else None
+    arguments["mixed_precision_policy"] = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype)
+    return megatron_fsdp.fully_shard_model(**arguments)
+
+
+def _no_reset() -> None:
+    return None
+
+
+def _allow_meta_init(model: nn.Module) -> None:
+    """Megatron-FSDP allocates meta parameters module by module and then calls the module's ``reset_parameters`` or
+    ``_reset_parameters``; some transformers modules (RMS norms, fused experts) have neither. The loader fills every
+    weight right afterwards (from the checkpoint, or ``from_config``'s reference), so those get a no-op."""
+    for module in model.modules():
+        owns_meta = any(param.is_meta for param in module.parameters(recurse=False))
+        if owns_meta and not hasattr(module, "reset_parameters") and not hasattr(module, "_reset_parameters"):
+            module._reset_parameters = _no_reset
+
+
+def is_megatron_fsdp_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a (possibly unevenly) sharded parameter managed by Megatron-FSDP."""
+    return bool(getattr(tensor, "__fsdp_param__", False))
+
+
+def megatron_fsdp_local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """For each dim, the global indices this rank's shard of a Megatron-FSDP parameter holds.
+
+    Megatron-FSDP shards its flat buffers unevenly, so the shard's offsets come from its own chunk metadata (one
+    all-gather of shapes over the shard group), not from the DTensor placements' even-split rule.
+    """
+    from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+
+    chunk = gather_and_compute_chunk_metadata(tensor)
+    return [torch.arange(offset, offset + size) for offset, size in zip(chunk.offsets, chunk.sizes, strict=True)]
+
+
+def install_loaded_weights(model: nn.Module) -> None:
+    """Megatron-FSDP computes with its own weight buffers: copy the weights just loaded into its (main) parameters
+    there. A no-op for every other model."""
+    install = getattr(model, "install_optimized_model_weights", None)
+    if callable(install):
+        install()

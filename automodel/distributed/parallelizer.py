@@ -26,6 +26,7 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
+from .expert_parallel import apply_expert_parallel, drop_expert_rules, shard_experts, validate_experts
 from .fsdp import default_fsdp_units, fsdp_mesh, fully_shard_default
 from .megatron_fsdp import apply_megatron_fsdp, require_megatron_fsdp
 from .mesh import MeshContext
@@ -65,7 +66,9 @@ class ModelParallelizer:
             if isinstance(strategy, MegatronFSDPConfig):
                 require_megatron_fsdp()  # fail before touching the model
             _tensor_parallel_step(self, model, mesh_context.mesh("tp"), mesh_context.sequence_parallel, self._tp_plan)
-            _activation_checkpointing_step(self, model, mesh_context.activation_checkpointing)
+            _activation_checkpointing_step(
+                self, model, mesh_context.activation_checkpointing, mesh_context.moe.save_router_decisions
+            )
             if mesh_context.reapply_trainability is not None:
                 mesh_context.reapply_trainability(model)
             wrap = apply_ddp if isinstance(strategy, DDPConfig) else apply_megatron_fsdp
@@ -99,7 +102,7 @@ class ModelParallelizer:
         """
         _tensor_parallel_step(self, model, device_mesh[tp_mesh_name], sequence_parallel, tp_shard_plan)
         _context_parallel_step(model, device_mesh["cp"])
-        _activation_checkpointing_step(self, model, activation_checkpointing)
+        _activation_checkpointing_step(self, model, activation_checkpointing, kwargs.get("save_router_decisions", True))
         if reapply_trainability is not None:
             reapply_trainability(model)
         mesh = fsdp_mesh(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name)
@@ -127,12 +130,14 @@ class ModelParallelizer:
         Default units: decoder layers (``_no_split_modules``), the model's transformers FSDP plan, and untied input
         embeddings and output head. Override for other boundaries (e.g. dtype-uniform groups).
         """
-        options = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
-        for unit, keep_full_weight in default_fsdp_units(model):
-            reshard = False if keep_full_weight else reshard_after_forward
-            self._fully_shard_module(unit, reshard_after_forward=reshard, **options)
-        # The root's parameters (tied embeddings, final norm) are needed again right after forward for backward.
-        return self._fully_shard_module(model, reshard_after_forward=False, **options)
+        return _shard_default_units(
+            model,
+            self._fully_shard_module,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
 
     def _fully_shard_module(self, module: nn.Module, **kwargs: Any) -> nn.Module:
         """The FSDP2 primitive for one unit (decoder layers, standalone embeddings, the output head, the root)."""
@@ -169,12 +174,17 @@ def _context_parallel_step(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         apply_context_parallel(model, cp_mesh)
 
 
-def _activation_checkpointing_step(parallelizer: ModelParallelizer, model: nn.Module, mode: bool | str) -> None:
+def _activation_checkpointing_step(
+    parallelizer: ModelParallelizer, model: nn.Module, mode: bool | str, save_router_decisions: bool = True
+) -> None:
     if not mode:
         return
     mode = "full" if mode is True else mode
     apply_activation_checkpointing(
-        model, mode, full_layers=parallelizer._use_full_layer_activation_checkpointing(model)
+        model,
+        mode,
+        full_layers=parallelizer._use_full_layer_activation_checkpointing(model),
+        replay_routing=save_router_decisions,
     )
 
 
@@ -191,11 +201,63 @@ def _dense_apply_arguments(parallelizer: ModelParallelizer, context: MeshContext
         "tp_shard_plan": parallelizer._tp_plan,
         "reshard_after_forward": strategy.reshard_after_forward,
         "reapply_trainability": context.reapply_trainability,
+        # Not in the documented signature: reaches `_apply` through **kwargs.
+        "save_router_decisions": context.moe.save_router_decisions,
     }
 
 
+def _shard_default_units(
+    model: nn.Module,
+    shard: Callable[..., nn.Module],
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool | None,
+    **options,
+) -> nn.Module:
+    """Shard the default FSDP units (``default_fsdp_units``) with ``shard``, then the root."""
+    for unit, keep_full_weight in default_fsdp_units(model):
+        reshard = False if keep_full_weight else reshard_after_forward
+        shard(unit, mesh=mesh, reshard_after_forward=reshard, **options)
+    # The root's parameters (tied embeddings, final norm) are needed again right after forward for backward.
+    return shard(model, mesh=mesh, reshard_after_forward=False, **options)
+
+
 def _parallelize_moe(parallelizer: ModelParallelizer, model: nn.Module, context: MeshContext) -> nn.Module:
-    raise NotImplementedError(
-        f"ep_size={context.ep_size}: the unified MoE TP + CP + EP + FSDP path (expert parallelism) is not built yet. "
-        "Use ep_size=1 (experts are then sharded like dense weights by FSDP2 / TP)."
+    """The unified MoE path: TP on the dense modules -> EP on the routed experts -> CP -> activation checkpointing ->
+    trainability -> FSDP (experts over ``ep_shard``, then the dense units over ``dp_shard_cp``) -> root.
+
+    The FSDP primitive is the shared one, or the sidecar's ``_fully_shard_module`` when it sets
+    ``_customizes_moe_fsdp`` (it then sees the experts after EP has made them local to their owners).
+    """
+    strategy = context.strategy
+    if not isinstance(strategy, FSDP2Config):
+        raise ValueError(
+            f"ep_size={context.ep_size} runs on the unified MoE path, which shards with FSDP2: use strategy='fsdp2' "
+            f"(got {strategy.name!r})."
+        )
+    expert_names = validate_experts(model, context.ep_size, context.tp_size)
+    if context.tp_size > 1:
+        # EP owns the experts: the TP plan's expert rules (moe_tp_experts, packed_colwise ...) are dropped.
+        plan = drop_expert_rules(resolve_tp_plan(model, parallelizer._tp_plan), expert_names)
+        _tensor_parallel_step(parallelizer, model, context.mesh("tp"), context.sequence_parallel, plan)
+    experts = apply_expert_parallel(model, context.mesh("ep"), context.mesh("tp"))
+    _context_parallel_step(model, context.mesh("cp"))
+    _activation_checkpointing_step(
+        parallelizer, model, context.activation_checkpointing, context.moe.save_router_decisions
     )
+    if context.reapply_trainability is not None:
+        context.reapply_trainability(model)
+    shard = parallelizer._fully_shard_module if parallelizer._customizes_moe_fsdp else fully_shard_default
+    options = {"mp_policy": strategy.mp_policy(), "offload_policy": strategy.offload_policy()}
+    shard_experts(
+        experts,
+        shard,
+        mesh=context.mesh("ep_shard"),
+        batches_per_step=context.world_size // context.tp_size,
+        reshard_after_forward=strategy.reshard_after_forward,
+        **options,
+    )
+    mesh = fsdp_mesh(context.device_mesh, "dp_replicate", "dp_shard_cp")
+    if mesh.size() > 1:
+        _shard_default_units(model, shard, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward, **options)
+    return model

@@ -88,7 +88,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *
     expanded = expand_plan(model, plan)
     styles = {name: style_named(style) for name, style in expanded.items()}
     if sequence_parallel:
-        styles = _sequence_parallel_styles(model, expanded, styles)
+        styles = _sequence_parallel_styles(model, expanded, styles, tp_mesh)
     modules = dict(model.named_modules())
     parameters = dict(model.named_parameters(remove_duplicate=False))
     for name, style in styles.items():
@@ -124,7 +124,7 @@ _SEQUENCE_PARALLEL_FORMS: dict[str, Callable[[], TensorParallelLayer] | None] = 
 
 
 def _sequence_parallel_styles(
-    model: nn.Module, expanded: TPPlan, styles: dict[str, TensorParallelLayer]
+    model: nn.Module, expanded: TPPlan, styles: dict[str, TensorParallelLayer], mesh: DeviceMesh
 ) -> dict[str, TensorParallelLayer]:
     """Convert the decoder layers' styles so activations between TP regions stay sharded over the sequence.
 
@@ -152,34 +152,26 @@ def _sequence_parallel_styles(
         for child_name, child in layer.named_children():
             full_name = f"{layer_names[layer]}.{child_name}"
             if any(key == full_name or key.startswith(full_name + ".") for key in expanded):
-                child.register_forward_pre_hook(_gather_block_input_hook(layer), with_kwargs=True)
+                child.register_forward_pre_hook(_gather_block_input_hook(mesh), with_kwargs=True)
                 continue
             params = list(child.parameters())
             if not params:
                 continue
             if any(p.ndim != 1 for p in params):
-                raise ValueError(
-                    f"Sequence parallelism cannot handle {full_name} ({type(child).__name__}): it has parameters "
-                    "that the TP plan does not shard and that are not a per-token norm, so they would see only part "
-                    "of the sequence. Add it to the TP plan or use sequence_parallel=False."
-                )
+                # Neither sharded by the plan nor per-token (e.g. a MoE block whose experts EP owns): it runs on the
+                # whole sequence on every TP rank, exactly as it does without SP.
+                child.register_forward_pre_hook(_gather_block_input_hook(mesh, as_dtensor=False), with_kwargs=True)
+                child.register_forward_hook(_rescatter_block_output_hook(mesh))
+                continue
             converted[full_name] = SequenceParallelNorm()
-    layers[0].register_forward_pre_hook(_scatter_sequence_hook(layers[0]), with_kwargs=True)
-    layers[-1].register_forward_hook(_gather_sequence_hook(layers[-1]))
+    layers[0].register_forward_pre_hook(_scatter_sequence_hook(mesh), with_kwargs=True)
+    layers[-1].register_forward_hook(_gather_sequence_hook(mesh))
     return converted
 
 
-def _tp_mesh_of(layer: nn.Module) -> DeviceMesh:
-    for param in layer.parameters():
-        if isinstance(param, DTensor):
-            return param.device_mesh
-    raise RuntimeError("sequence parallelism found no tensor-parallel parameter in the decoder layer")
-
-
-def _scatter_sequence_hook(layer: nn.Module):
+def _scatter_sequence_hook(mesh: DeviceMesh):
     def hook(module, args, kwargs):
         hidden, rest = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
-        mesh = _tp_mesh_of(layer)
         if hidden.shape[1] % mesh.size():
             raise ValueError(
                 f"Sequence parallelism needs the sequence length ({hidden.shape[1]}) to be divisible by tp_size "
@@ -194,12 +186,14 @@ def _scatter_sequence_hook(layer: nn.Module):
     return hook
 
 
-def _gather_block_input_hook(layer: nn.Module):
+def _gather_block_input_hook(mesh: DeviceMesh, *, as_dtensor: bool = True):
+    """All-gather a block's sequence-sharded input (as a replicated DTensor for TP projections, or a plain tensor)."""
+
     def hook(module, args, kwargs):
-        mesh = _tp_mesh_of(layer)
 
         def gather(local):
-            return DTensor.from_local(local, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+            full = DTensor.from_local(local, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+            return full if as_dtensor else full.to_local()
 
         if args:
             return (gather(args[0]), *args[1:]), kwargs
@@ -208,9 +202,23 @@ def _gather_block_input_hook(layer: nn.Module):
     return hook
 
 
-def _gather_sequence_hook(layer: nn.Module):
+def _rescatter_block_output_hook(mesh: DeviceMesh):
+    """Keep this rank's sequence shard of a block output computed on the whole sequence (identical on every TP rank);
+    its backward all-gathers the output gradient, so every rank back-propagates the whole sequence."""
+
+    def split(full):
+        return DTensor.from_local(full, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+
+    def hook(module, args, output):
+        if isinstance(output, tuple):
+            return (split(output[0]).to_local(), *output[1:])
+        return split(output).to_local()
+
+    return hook
+
+
+def _gather_sequence_hook(mesh: DeviceMesh):
     def gather(local):
-        mesh = _tp_mesh_of(layer)
         return (
             DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
             .redistribute(placements=[Replicate()])

@@ -75,7 +75,7 @@ class CheckpointFiles:
     def read_into(self, key: str, slices: tuple[slice, ...], out: torch.Tensor) -> bool:
         """Fill ``out`` with ``stored[key][slices]`` by one positioned read, when the region is contiguous in the
         file and the dtypes match (see ``direct_read``). Returns False, having done nothing, otherwise."""
-        if self.kind != "safetensors":
+        if self.kind != "safetensors" or out.device.type != "cpu":
             return False
         filename = self.key_to_file[key]
         if filename not in self._headers:

@@ -28,7 +28,14 @@ logger = logging.getLogger(__name__)
 def materialize(model: nn.Module, device: torch.device | str) -> None:
     """Allocate storage for every parameter and buffer (only the local shards of sharded ones), keeping ties."""
     tied = tied_parameter_names(model)
-    model.to_empty(device=device)
+    if all(param.is_meta for param in model.parameters()):
+        model.to_empty(device=device)
+    else:
+        # A strategy that allocates its own parameter storage (Megatron-FSDP) has done so: only what it left on meta
+        # (buffers such as rotary frequencies) gets storage, module by module, without touching the rest.
+        for module in model.modules():
+            if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+                module.to_empty(device=device, recurse=False)
     retie_parameters(model, tied)
 
 

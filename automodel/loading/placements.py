@@ -6,6 +6,8 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from automodel.distributed.megatron_fsdp import is_megatron_fsdp_parameter, megatron_fsdp_local_indices
+
 __all__ = ["IndexRuns", "local_indices", "to_runs"]
 
 # For each tensor dim, the sorted-by-local-position list of contiguous global ranges (start, stop) a rank holds.
@@ -19,6 +21,8 @@ def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
     with the placements' own split rules (``Shard``: ``torch.chunk`` semantics, uneven shards included;
     ``_StridedShard``: the interleaved layout FSDP2 produces over a TP-sharded dim; ``Replicate``/``Partial``: all).
     """
+    if is_megatron_fsdp_parameter(tensor):
+        return megatron_fsdp_local_indices(tensor)
     indices = [torch.arange(size) for size in tensor.shape]
     if not isinstance(tensor, DTensor):
         return indices
@@ -33,6 +37,13 @@ def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
         dim = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
         pieces, _ = _on_dim0(placement)._split_tensor(indices[dim], mesh.size(mesh_dim), with_padding=False)
         indices[dim] = pieces[coordinate[mesh_dim]]
+    local_shape = tuple(tensor.to_local().shape)
+    if tuple(len(dim_indices) for dim_indices in indices) != local_shape:
+        raise RuntimeError(
+            f"A local shard of shape {local_shape} does not match its placements {tensor.placements} over a "
+            f"{tuple(tensor.shape)} tensor: a layout the loader cannot place (a sharding other than DTensor's split "
+            "rules)."
+        )
     return indices
 
 

@@ -56,7 +56,16 @@ def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = 
     bar = tqdm(targets, desc="Loading weights", unit="tensor", disable=not progress, leave=False)
     with torch.no_grad():
         for name, tensor in bar:
-            sources[name].read_into(local_indices(tensor), local_view(tensor))
+            local = local_view(tensor)
+            if local.device.type == "cpu":
+                sources[name].read_into(local_indices(tensor), local)
+            else:
+                # Files are read into host memory; an accelerator's shard is filled from a host copy of it.
+                staging = torch.empty(local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available())
+                sources[name].read_into(local_indices(tensor), staging)
+                local.copy_(staging, non_blocking=True)
+    if any(t.device.type == "cuda" for _, t in targets):
+        torch.cuda.synchronize()  # the pinned staging buffers must outlive their copies
     return len(targets)
 
 

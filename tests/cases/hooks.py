@@ -201,11 +201,6 @@ def _unit_dtypes(module: nn.Module) -> set[str]:
     return owned
 
 
-def moe_path_not_built() -> str:
-    """``ep_size > 1`` reaches the MoE branch, which says plainly that it is not built yet."""
-    return parallelize_error({}, {"strategy": "fsdp2", "ep_size": 2})
-
-
 def fail_on_rank(failing_rank: int) -> int:
     """Rank ``failing_rank`` raises; the others wait in a collective that can never finish."""
     if dist.get_rank() == failing_rank:
