@@ -1,0 +1,423 @@
+"""Export a trained, parallelized model as a consolidated Hugging Face checkpoint, with a model card.
+
+The export is what ``save_pretrained`` of the unsharded model would write (same tensor names, transformers' reverse
+checkpoint conversion applied, tied weights once), built one full tensor at a time: every rank joins each
+``DTensor.full_tensor()``, rank 0 keeps only the tensors of the shard file it is filling and writes that file as soon
+as it is complete. Everything is written into a temporary sibling directory that is renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import HfApi, ModelCard, ModelCardData, split_torch_state_dict_into_shards
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from .agreement import agree_or_raise
+
+__all__ = ["ModelCardInfo", "push_to_hub", "save_hf_checkpoint", "write_model_card"]
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_PATTERN = "model{suffix}.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ModelCardInfo:
+    """What the model card says about a trained model.
+
+    ``base_model``: the hub id or path training started from (a local path is named in the text, not the metadata,
+    which the hub checks against its repos). ``training_summary``: the training configuration worth reporting, e.g.
+    ``{"recipe": "sft", "steps": 30, "global_batch_size": 8, "lr": 1e-4, "layout": {...}}``.
+    """
+
+    base_model: str | None
+    training_summary: dict
+    tags: tuple[str, ...] = ()
+    license: str | None = None
+    datasets: tuple[str, ...] = ()
+
+
+@dataclass
+class _ExportPlan:
+    """Which stored tensor comes from which model tensor, and which file holds it."""
+
+    sources: dict[str, torch.Tensor]  # state-dict name -> the model's (possibly sharded) tensor
+    source_of: dict[str, str]  # stored name -> state-dict name
+    files: dict[str, list[str]]  # file name -> stored names, in writing order
+    index: dict[str, Any] | None  # model.safetensors.index.json, None for a single file
+    dtype: torch.dtype  # the model's, recorded in config.json
+
+
+def save_hf_checkpoint(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    max_shard_size: str | int = "5GB",
+    model_card: ModelCardInfo | None = None,
+    model_id: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Collective (call on every rank): write ``model`` to ``directory`` as a checkpoint plain transformers loads.
+
+    Rank 0 writes safetensors shards named as ``save_pretrained`` names them (``model-0000x-of-0000y.safetensors`` +
+    ``model.safetensors.index.json``, or one ``model.safetensors``), with the same tensor names (reverse checkpoint
+    conversion applied, tied weights once), then ``config.json``, ``generation_config.json`` (when the model can
+    generate), the tokenizer files (when ``tokenizer`` is given) and ``README.md`` (when ``model_card`` is given;
+    its usage snippet names ``model_id``, by default the directory). Sharded parameters are gathered one at a time,
+    and rank 0 holds only the tensors of the file it is filling. ``model`` is a ``PreTrainedModel`` (parallelized or
+    not) or a wrapper (DDP, Megatron-FSDP) whose ``.module`` is one.
+
+    The export is written into a temporary sibling directory and renamed into place at the end, so a failure leaves
+    neither a half-written export nor the temporary directory. An existing non-empty ``directory`` is refused unless
+    ``overwrite=True``. Every error is raised on every rank.
+    """
+    target = Path(directory).absolute()
+    plan, error = None, None
+    try:
+        inner = _transformers_model(model)
+        _check_arguments(inner, tokenizer, model_card)
+        if _is_rank_zero():
+            _check_target(target, overwrite)
+        plan = _plan_export(inner, max_shard_size)
+    except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
+        error = exc
+    agree_or_raise(error, f"Exporting the model to {target}")
+    staging = None
+    try:
+        error = None
+        try:
+            staging = _make_staging_dir(target) if _is_rank_zero() else None
+        except Exception as exc:
+            error = exc
+        agree_or_raise(error, f"Creating a temporary directory beside {target}")
+        for file_name, tensors, error in _gathered_files(inner, plan):
+            try:
+                if staging is not None and error is None:
+                    save_file(tensors, staging / file_name, metadata={"format": "pt"})
+            except Exception as exc:
+                error = exc
+            del tensors
+            agree_or_raise(error, f"Writing {file_name} of the export to {target}")
+        error = None
+        try:
+            if staging is not None:
+                _write_metadata(inner, plan, staging, tokenizer, model_card, model_id or str(target))
+                _move_into_place(staging, target)
+                staging = None
+        except Exception as exc:
+            error = exc
+        agree_or_raise(error, f"Finishing the export to {target}")
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def write_model_card(directory: str | os.PathLike, info: ModelCardInfo, *, model_id: str) -> Path:
+    """Write ``README.md`` into ``directory``: YAML metadata that ``huggingface_hub.ModelCard.load`` parses
+    (base_model, library_name, tags incl. "automodel", license, datasets, pipeline_tag, the training summary), a short
+    description with the training summary as a table, and usage snippets for plain transformers and for
+    ``NeMoAutoModelForCausalLM``. Returns the path of the card."""
+    if not isinstance(info, ModelCardInfo):
+        raise TypeError(f"info must be a ModelCardInfo, got {type(info).__name__}.")
+    summary = _plain(info.training_summary)
+    hub_base_model = info.base_model if info.base_model and _is_hub_id(info.base_model) else None
+    data = ModelCardData(
+        base_model=hub_base_model,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=info.license,
+        datasets=list(info.datasets) or None,
+        tags=list(dict.fromkeys(("automodel", *info.tags))),
+        training_config=summary,
+    )
+    content = f"---\n{data.to_yaml()}\n---\n\n{_card_body(info, summary, model_id)}"
+    path = Path(directory) / "README.md"
+    ModelCard(content).save(path)
+    return path
+
+
+def push_to_hub(
+    directory: str | os.PathLike,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool = False,
+    commit_message: str = "Upload model trained with automodel",
+) -> str:
+    """Upload an export (``save_hf_checkpoint``'s directory) to the hub repo ``repo_id``, creating the repo if needed;
+    return the commit URL. Call it on one process (e.g. rank 0), after the export."""
+    folder = Path(directory)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} has no config.json, so it is not an export: write it with save_hf_checkpoint first."
+        )
+    api = HfApi(token=token)
+    repo = api.create_repo(repo_id, exist_ok=True, private=private)
+    commit = api.upload_folder(
+        repo_id=getattr(repo, "repo_id", repo_id), folder_path=folder, commit_message=commit_message, repo_type="model"
+    )
+    return commit.commit_url
+
+
+def _transformers_model(model: nn.Module) -> PreTrainedModel:
+    """The transformers model itself, also inside a wrapper that keeps it as ``.module`` (DDP, Megatron-FSDP)."""
+    if isinstance(model, PreTrainedModel):
+        return model
+    inner = getattr(model, "module", None)
+    if isinstance(inner, PreTrainedModel):
+        return inner
+    raise TypeError(
+        f"save_hf_checkpoint exports a transformers PreTrainedModel (or a wrapper whose .module is one), got "
+        f"{type(model).__name__}. Pass the model NeMoAutoModelForCausalLM returned."
+    )
+
+
+def _check_arguments(model: PreTrainedModel, tokenizer: Any, model_card: ModelCardInfo | None) -> None:
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(
+            f"tokenizer must have save_pretrained (a transformers tokenizer), got {type(tokenizer).__name__}."
+        )
+    if model_card is not None and not isinstance(model_card, ModelCardInfo):
+        raise TypeError(f"model_card must be a ModelCardInfo, got {type(model_card).__name__}.")
+    on_meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"{len(on_meta)} tensors of the model are on the meta device (e.g. {on_meta[0]}): load or "
+            "initialise the weights before exporting."
+        )
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{target} exists and is not a directory: export to a directory.")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{target} already exists and is not empty: choose another directory, or pass overwrite=True to replace it."
+        )
+
+
+def _plan_export(model: PreTrainedModel, max_shard_size: str | int) -> _ExportPlan:
+    """Decide names, files and the source of every stored tensor from shapes alone (no data is touched)."""
+    sources = dict(model.state_dict())
+    for key in model._keys_to_ignore_on_save or ():
+        sources.pop(key, None)
+    stand_ins = {name: _meta_like(tensor) for name, tensor in sources.items()}
+    # On meta tensors transformers finds ties by the model's parameter objects, as save_pretrained does.
+    stand_ins = remove_tied_weights_from_state_dict(stand_ins, model)
+    sources = {name: sources[name] for name in stand_ins}
+    stored = {name: _meta_like(tensor) for name, tensor in revert_weight_conversion(model, dict(stand_ins)).items()}
+    source_of = _stored_sources(model, stand_ins, stored)
+    try:
+        split = split_torch_state_dict_into_shards(
+            stored, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
+        )
+    except ValueError as exc:
+        raise ValueError(
+            f"max_shard_size={max_shard_size!r} is not a size: {exc} Use e.g. '5GB' or a byte count."
+        ) from exc
+    index = None
+    if split.is_sharded:
+        total = {"total_parameters": model.num_parameters(), **split.metadata}
+        index = {"metadata": total, "weight_map": split.tensor_to_filename}
+    return _ExportPlan(sources, source_of, dict(split.filename_to_tensors), index, model.dtype)
+
+
+def _stored_sources(
+    model: PreTrainedModel, stand_ins: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]
+) -> dict[str, str]:
+    """Map each stored tensor to the one model tensor it is converted from, so tensors can be gathered one at a time.
+
+    Holds when every reverse conversion reads one model tensor (renames, fused experts split into per-expert
+    tensors); a conversion that builds one stored tensor from several model tensors is refused.
+    """
+    source_of: dict[str, str] = {}
+    mismatched = []
+    for name, stand_in in stand_ins.items():
+        for stored_name, tensor in revert_weight_conversion(model, {name: stand_in}).items():
+            source_of[stored_name] = name
+            if stored_name not in stored or stored[stored_name].shape != tensor.shape:
+                mismatched.append(stored_name)
+    if mismatched or set(source_of) != set(stored):
+        raise NotImplementedError(
+            f"{type(model).__name__}'s checkpoint conversion builds stored tensors from several model tensors, which "
+            "this export does not gather one at a time yet. Save the unsharded model with save_pretrained instead."
+        )
+    return source_of
+
+
+def _gathered_files(
+    model: PreTrainedModel, plan: _ExportPlan
+) -> Iterator[tuple[str, dict[str, torch.Tensor], Exception | None]]:
+    """Collective: yield each file's stored tensors (full, on the CPU; on rank 0 only, empty elsewhere) and the error
+    converting them raised on this rank, if any.
+
+    All ranks gather the same model tensors in the same order, also after a failure on rank 0 (which then stops
+    converting), so that the failure is raised together after the file. A model tensor whose stored tensors spread
+    over two files is kept on rank 0 until they are all written.
+    """
+    keep = _is_rank_zero()
+    pending: dict[str, torch.Tensor] = {}
+    gathered: set[str] = set()
+    for file_name, names in plan.files.items():
+        tensors: dict[str, torch.Tensor] = {}
+        error = None
+        for name in names:
+            source = plan.source_of[name]
+            if source not in gathered:
+                gathered.add(source)
+                full = _full_tensor(plan.sources[source])
+                if keep and error is None:
+                    try:
+                        converted = revert_weight_conversion(model, {source: full.cpu()})
+                        pending.update({key: _own_storage(value) for key, value in converted.items()})
+                    except Exception as exc:
+                        error = exc
+                del full
+            if keep and error is None:
+                tensors[name] = pending.pop(name)
+        yield file_name, tensors, error
+
+
+def _write_metadata(
+    model: PreTrainedModel,
+    plan: _ExportPlan,
+    staging: Path,
+    tokenizer: Any,
+    model_card: ModelCardInfo | None,
+    model_id: str,
+) -> None:
+    """Rank 0: the index, configs, tokenizer files and model card next to the weights."""
+    if plan.index is not None:
+        (staging / INDEX_NAME).write_text(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
+    config = copy.deepcopy(model.config)
+    config.architectures = [_architecture_name(model)]
+    config.dtype = str(plan.dtype).removeprefix("torch.")
+    config.save_pretrained(staging)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(staging)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    if model_card is not None:
+        write_model_card(staging, model_card, model_id=model_id)
+
+
+def _make_staging_dir(target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".export-tmp", dir=target.parent))
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename the finished export to ``target``; an existing ``target`` (empty, or overwritten) is removed after."""
+    if not target.exists():
+        staging.rename(target)
+        return
+    previous = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".replaced", dir=target.parent))
+    target.rename(previous / target.name)
+    try:
+        staging.rename(target)
+    except BaseException:
+        (previous / target.name).rename(target)
+        previous.rmdir()
+        raise
+    shutil.rmtree(previous)
+
+
+def _architecture_name(model: PreTrainedModel) -> str:
+    """The transformers class name, not that of a dynamic subclass (FSDP2's ``FSDPLlamaForCausalLM``) or a sidecar."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith(("transformers.", "transformers_modules.")):
+            return cls.__name__
+    return type(model).__name__.removeprefix("FSDP")
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A fresh meta tensor of ``tensor``'s global shape (its own storage, so sizes are counted per tensor)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor with a storage of its own (a conversion may return views of one larger tensor)."""
+    tensor = tensor.detach().contiguous()
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
+def _is_hub_id(name: str) -> bool:
+    if os.path.isabs(name) or Path(name).exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain YAML/JSON types (tuples to lists, anything else unknown to its string)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _card_body(info: ModelCardInfo, summary: dict, model_id: str) -> str:
+    start = f"starting from `{info.base_model}`" if info.base_model else "from scratch"
+    rows = "\n".join(f"| {key} | {_cell(value)} |" for key, value in summary.items())
+    return f"""# {Path(model_id).name or model_id}
+
+This model was trained with automodel {start}. It loads in plain transformers.
+
+## Training
+
+| Setting | Value |
+| --- | --- |
+{rows}
+
+## Usage
+
+With plain transformers:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{model_id}")
+model = AutoModelForCausalLM.from_pretrained("{model_id}")
+```
+
+Parallelized across the ranks of a `torchrun` job, each rank loading only its shards:
+
+```python
+from automodel import MeshContext, NeMoAutoModelForCausalLM
+
+model = NeMoAutoModelForCausalLM.from_pretrained("{model_id}", mesh_context=MeshContext.build("fsdp2"))
+```
+"""
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _is_rank_zero() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

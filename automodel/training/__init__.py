@@ -1,0 +1,1 @@
+"""Reusable recipe pieces: config, data, loop, optimizer, checkpoint/resume (import the submodules directly)."""

@@ -1,0 +1,89 @@
+"""Training checkpoints with ``torch.distributed.checkpoint``: atomic, resumed from the newest complete one,
+reshardable (saved with one layout, resumed with another).
+
+Layout of ``checkpoint.dir``::
+
+    step_00000010/            a complete checkpoint: DCP files (model + optimizer) and trainer_state.pt
+    step_00000020.partial/    being written (or left by a crash): never read, removed by the next save
+
+A checkpoint becomes visible only when rank 0 renames the finished ``.partial`` folder, after every rank wrote its
+part, so a crash mid-save leaves the previous checkpoint as the newest complete one.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = ["TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+_COMPLETE = re.compile(r"step_(\d{8})")
+_TRAINER_STATE = "trainer_state.pt"
+
+
+@dataclass
+class TrainerState:
+    """Everything besides model and optimizer that a bitwise-exact resume needs (the same on every rank)."""
+
+    step: int
+    scheduler: dict[str, Any]
+    data: dict[str, Any]
+    rng: torch.Tensor
+    losses: list[float]
+
+
+def latest_checkpoint(directory: str | Path | None) -> Path | None:
+    """The newest complete checkpoint in ``directory``, or ``None``."""
+    if directory is None or not Path(directory).is_dir():
+        return None
+    complete = [path for path in Path(directory).iterdir() if path.is_dir() and _COMPLETE.fullmatch(path.name)]
+    return max(complete, key=lambda path: int(path.name[5:]), default=None)
+
+
+def save_checkpoint(
+    directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, *, keep: int
+) -> Path:
+    """Write a checkpoint of ``state.step`` (collective: every rank calls it) and keep the newest ``keep``."""
+    directory = Path(directory)
+    final = directory / f"step_{state.step:08d}"
+    partial = final.with_name(final.name + ".partial")
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("*.partial"):
+            shutil.rmtree(stale)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
+    if dist.get_rank() == 0:
+        torch.save(vars(state), partial / _TRAINER_STATE)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        partial.rename(final)  # the commit point
+        complete = sorted(
+            (p for p in directory.iterdir() if _COMPLETE.fullmatch(p.name)), key=lambda p: int(p.name[5:])
+        )
+        for old in complete[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Load model and optimizer from ``path`` into the live (possibly differently sharded) objects; return the
+    trainer state."""
+    path = Path(path)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    saved = torch.load(path / _TRAINER_STATE, weights_only=False)
+    return TrainerState(**saved)

@@ -1,0 +1,269 @@
+"""Recipe configuration: typed, frozen sections parsed from YAML once, at the recipe boundary.
+
+A config file names the model, the layout (the ``MeshContext.build`` arguments), the data, the training schedule,
+checkpointing and export. Command-line overrides use dotted keys (``train.lr=3e-4``). Unknown keys and bad values
+are errors that name the key, raised before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "CheckpointSection",
+    "ConfigError",
+    "DataSection",
+    "ExportSection",
+    "LayoutSection",
+    "ModelSection",
+    "RecipeConfig",
+    "TrainSection",
+    "load_config",
+    "parse_overrides",
+]
+
+RECIPES = ("sft", "pretrain")
+
+
+class ConfigError(ValueError):
+    """A recipe config that cannot run: names the key and what to write instead."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``path``: a hub id or local directory (checkpoint for SFT; config + tokenizer source for pretraining)."""
+
+    path: str = ""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    revision: str | None = None
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+
+
+@dataclass(frozen=True)
+class LayoutSection:
+    """The ``MeshContext.build`` arguments; ``mixed_precision: bf16`` computes in bf16 with fp32 gradient reduction."""
+
+    strategy: Literal["fsdp2", "ddp", "megatron_fsdp"] = "fsdp2"
+    dp_replicate_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    sequence_parallel: bool = False
+    activation_checkpointing: Literal[False, True, "full", "selective"] = False
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """``path``: chat / prompt-completion JSONL (SFT), text files or ``{"text"}`` JSONL (pretraining), or any local
+    dataset ``datasets`` reads."""
+
+    path: str = ""
+    packing: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """Schedule: AdamW, linear warmup then cosine decay to ``min_lr``, gradient accumulation to the global batch."""
+
+    max_steps: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    seq_len: int = 512
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    log_every: int = 1
+    tensorboard_dir: str | None = None
+    # End this run after this many steps (with a checkpoint), e.g. to fit a job's time limit; the schedule still
+    # runs to max_steps, and the next run resumes there.
+    stop_after_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """``dir``: where step checkpoints go (resumed from automatically); ``every_steps``: 0 saves only at the end."""
+
+    dir: str | None = None
+    every_steps: int = 0
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    """``dir``: the consolidated HF checkpoint written after training; ``push_to_hub``: a repo id to upload it to."""
+
+    dir: str | None = None
+    max_shard_size: str = "5GB"
+    push_to_hub: str | None = None
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """One recipe run. Build it with :func:`load_config`."""
+
+    recipe: Literal["sft", "pretrain"] = "sft"
+    model: ModelSection = field(default_factory=ModelSection)
+    layout: LayoutSection = field(default_factory=LayoutSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    export: ExportSection = field(default_factory=ExportSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested values (for logs, checkpoints and the model card)."""
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), *, recipe: str | None = None) -> RecipeConfig:
+    """Read a YAML config, apply ``key=value`` overrides (dotted keys, values parsed as YAML) and validate it."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"Config file {path} does not exist.")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the config must be a mapping of sections, not {type(raw).__name__}.")
+    for key, value in parse_overrides(overrides).items():
+        _set_dotted(raw, key, value)
+    if recipe is not None:
+        if raw.get("recipe", recipe) != recipe:
+            raise ConfigError(f"The config says recipe: {raw['recipe']!r}, but the command is `automodel {recipe}`.")
+        raw["recipe"] = recipe
+    config = _build(RecipeConfig, raw, "")
+    _validate(config)
+    return config
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["train.lr=3e-4", "data.packing=true"]`` -> ``{"train.lr": 0.0003, "data.packing": True}``."""
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"Override {item!r} is not `dotted.key=value` (e.g. train.lr=3e-4).")
+        parsed[key.strip()] = yaml.safe_load(value) if value.strip() else None
+    return parsed
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *sections, last = key.split(".")
+    node = raw
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"Override {key}: {section} is not a section.")
+    node[last] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking every key and value type."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {raw!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        names = ", ".join(f"{prefix}{key}" for key in unknown)
+        raise ConfigError(
+            f"Unknown config key(s) {names}; {prefix.rstrip('.') or 'the top level'} accepts {sorted(fields)}."
+        )
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            values[name] = _coerce(value, hint, f"{prefix}{name}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """``value`` as type ``hint`` (ints become floats where floats are wanted, lists become tuples), or a clear error."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r} is not one of the accepted types {_describe(hint)}.")
+    if origin is Literal:
+        if value in args and type(value) is type(next(a for a in args if a == value)):
+            return value
+        raise ConfigError(f"{key}={value!r} is not one of {list(args)}.")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}={value!r} must be a list of {len(args)} values.")
+        return tuple(_coerce(item, arg, f"{key}[{i}]") for i, (item, arg) in enumerate(zip(value, args, strict=True)))
+    if hint is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}={value!r} is not null.")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 reads `3e-4` (no dot) as a string.
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} must be a number.") from None
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false.")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key}={value!r} must be an integer.")
+    if hint in (str, float) and not isinstance(value, hint):
+        raise ConfigError(f"{key}={value!r} must be a {hint.__name__}.")
+    return value
+
+
+def _describe(hint: Any) -> str:
+    return " | ".join(getattr(arg, "__name__", repr(arg)) for arg in typing.get_args(hint))
+
+
+def _validate(config: RecipeConfig) -> None:
+    """Checks that need more than one key (each names the keys and the fix)."""
+    train, model = config.train, config.model
+    if not model.path:
+        raise ConfigError("model.path is required: a hub id or a local checkpoint directory.")
+    if not config.data.path:
+        raise ConfigError("data.path is required: a JSONL file, a folder of them, or a local dataset.")
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len"):
+        if getattr(train, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(train, key)} must be at least 1.")
+    if train.global_batch_size % train.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size={train.micro_batch_size} (times the data-parallel size)."
+        )
+    if train.lr <= 0 or train.min_lr < 0 or train.min_lr > train.lr:
+        raise ConfigError(f"train.lr={train.lr} must be > 0 and train.min_lr={train.min_lr} in [0, lr].")
+    if not 0 <= train.warmup_steps <= train.max_steps:
+        raise ConfigError(f"train.warmup_steps={train.warmup_steps} must be in [0, train.max_steps].")
+    if train.max_grad_norm is not None and train.max_grad_norm <= 0:
+        raise ConfigError(f"train.max_grad_norm={train.max_grad_norm} must be > 0, or null to disable clipping.")
+    if train.stop_after_steps is not None and (train.stop_after_steps < 1 or config.checkpoint.dir is None):
+        raise ConfigError("train.stop_after_steps needs a value >= 1 and checkpoint.dir (the run resumes from it).")
+    if train.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("train.tensorboard_dir needs the tensorboard package: pip install tensorboard.")
+    if config.checkpoint.every_steps < 0 or config.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1.")
+    if config.checkpoint.every_steps and config.checkpoint.dir is None:
+        raise ConfigError("checkpoint.every_steps is set but checkpoint.dir is not: say where checkpoints go.")
+    if config.export.push_to_hub and config.export.dir is None:
+        raise ConfigError("export.push_to_hub needs export.dir (the folder that is uploaded).")

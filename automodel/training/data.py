@@ -1,0 +1,494 @@
+"""Data for the SFT and pretraining recipes: load records, tokenize, pack, and batch them deterministically.
+
+SFT records are chats (``{"messages": [{"role", "content"}, ...]}``) or prompt/completion pairs, rendered with the
+model's own chat template. The loss mask is computed here, not by the template: many templates (SmolLM2's among
+them) have no ``{% generation %}`` markers, so transformers cannot tell which tokens the assistant wrote.
+Pretraining texts are concatenated (each followed by EOS) and cut into fixed-length sequences.
+``DistributedBatchLoader`` shuffles per epoch from a seed, gives each data-parallel rank its slice of every global
+batch and resumes mid-epoch from a plain-int state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "IGNORE_INDEX",
+    "DistributedBatchLoader",
+    "Example",
+    "load_records",
+    "load_texts",
+    "pack_examples",
+    "tokenize_pretraining",
+    "tokenize_sft",
+]
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+ACCEPTED_FORMATS = (
+    "a .jsonl file, a folder of .jsonl files, a .json/.csv/.parquet/.arrow/.txt file, a folder `datasets` can load, "
+    "or a dataset directory written by `Dataset.save_to_disk`"
+)
+_DATASETS_BUILDERS = {".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+# Private-use characters that bracket each assistant content while the template renders, to find it afterwards.
+_START, _END = "\ue000", "\ue001"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training sequence; ``labels`` has the same length, ``-100`` where no loss is taken."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.labels):
+            raise ValueError(f"Example has {len(self.input_ids)} input_ids but {len(self.labels)} labels")
+
+
+# ---------------------------------------------------------------------------------------------------------- loading
+
+
+def load_records(path: str | Path, *, cache_dir: str | Path | None = None) -> list[dict]:
+    """Read the records at ``path``: a JSONL file, a folder of JSONL files (sorted by name), or anything
+    ``datasets.load_dataset`` reads locally (json/csv/parquet/arrow files or folders) or ``load_from_disk`` reads
+    (a saved dataset dir; its ``train`` split when it holds several). ``cache_dir`` is passed to ``datasets``."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Data path {str(path)!r} does not exist; expected {ACCEPTED_FORMATS}")
+    if path.is_file() and path.suffix == ".jsonl":
+        return _read_jsonl(path)
+    if path.is_dir():
+        jsonl_files = sorted(path.glob("*.jsonl"))
+        if jsonl_files:
+            return [record for file in jsonl_files for record in _read_jsonl(file)]
+        if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+            return _load_saved_dataset(path)
+        return _load_with_datasets(path, str(path), data_files=None, cache_dir=cache_dir)
+    builder = _DATASETS_BUILDERS.get(path.suffix)
+    if builder is None:
+        raise ValueError(f"Cannot read {str(path)!r}: unknown file type {path.suffix!r}; expected {ACCEPTED_FORMATS}")
+    return _load_with_datasets(path, builder, data_files=str(path), cache_dir=cache_dir)
+
+
+def load_texts(path: str | Path, *, cache_dir: str | Path | None = None) -> list[str]:
+    """Pretraining documents: a ``.txt`` file is one document, a folder of ``.txt`` files one document per file
+    (sorted by name); anything else goes through ``load_records`` and each record's ``"text"`` field is a document."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    if path.is_dir() and not any(path.glob("*.jsonl")):
+        txt_files = sorted(path.glob("*.txt"))
+        if txt_files:
+            return [file.read_text(encoding="utf-8") for file in txt_files]
+    texts = []
+    for index, record in enumerate(load_records(path, cache_dir=cache_dir)):
+        if not isinstance(record.get("text"), str):
+            raise ValueError(
+                f"Record {index} of {str(path)!r} has no string 'text' field (keys: {sorted(record)}); pretraining "
+                "records look like {'text': '...'}"
+            )
+        texts.append(record["text"])
+    return texts
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    with path.open(encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{str(path)!r} line {line_number} is not valid JSON: {error}") from error
+            if not isinstance(record, dict):
+                raise ValueError(f"{str(path)!r} line {line_number} is a {type(record).__name__}, not a JSON object")
+            records.append(record)
+    return records
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"Reading this data needs the `datasets` library ({ACCEPTED_FORMATS}); install it with "
+            "`pip install 'automodel[datasets]'`, or use JSONL, which needs nothing extra"
+        ) from error
+    return datasets
+
+
+def _load_saved_dataset(path: Path) -> list[dict]:
+    dataset = _import_datasets().load_from_disk(str(path))
+    return _single_split(dataset, path).to_list()
+
+
+def _load_with_datasets(path: Path, builder: str, data_files: str | None, cache_dir: str | Path | None) -> list[dict]:
+    datasets = _import_datasets()
+    cache_dir = None if cache_dir is None else str(cache_dir)
+    try:
+        dataset = datasets.load_dataset(builder, data_files=data_files, cache_dir=cache_dir)
+    except Exception as error:  # datasets raises many types; name the path and the formats instead
+        raise ValueError(f"`datasets` could not read {str(path)!r} ({error}); expected {ACCEPTED_FORMATS}") from error
+    return _single_split(dataset, path).to_list()
+
+
+def _single_split(dataset: Any, path: Path) -> Any:
+    """The dataset itself, or the ``train`` (or only) split of a ``DatasetDict``."""
+    if not hasattr(dataset, "keys"):
+        return dataset
+    if "train" in dataset:
+        return dataset["train"]
+    if len(dataset) == 1:
+        return next(iter(dataset.values()))
+    raise ValueError(f"{str(path)!r} holds splits {sorted(dataset)} and none is 'train'; point at one split's files")
+
+
+# ------------------------------------------------------------------------------------------------------------- SFT
+
+
+def tokenize_sft(records: list[dict], tokenizer: Any, seq_len: int) -> list[Example]:
+    """Tokenize chat or prompt/completion records with ``tokenizer``'s chat template; loss on assistant tokens only.
+
+    A prompt/completion record becomes a user + assistant chat (a conversational pair, whose prompt and completion
+    are message lists, is joined). Labels are the input ids of the tokens overlapping each assistant message's content
+    (surrounding whitespace excluded) and of the end-of-turn token the template emits right after it (the first
+    special token, possibly after whitespace), so the model learns to stop; ``-100`` everywhere else. A token that
+    straddles a content's edge (a byte-level ``" It"`` after ``"assistant:"``) is labelled. The template must render
+    every assistant content once (trimming or other in-place changes are fine). Sequences are truncated to ``seq_len``; examples left
+    without any labelled token are dropped (with a warning).
+    """
+    _check_positive(seq_len=seq_len)
+    _check_chat_tokenizer(tokenizer)
+    if not records:
+        raise ValueError("No SFT records to tokenize: the data path holds no records")
+    chats = [_as_chat(record, index) for index, record in enumerate(records)]
+    texts, spans = zip(*(_render_chat(tokenizer, chat, index) for index, chat in enumerate(chats)), strict=True)
+    encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    end_ids = _end_of_turn_ids(tokenizer)
+    examples = []
+    for index, text in enumerate(texts):
+        input_ids = encoded["input_ids"][index]
+        labels = _assistant_labels(input_ids, encoded["offset_mapping"][index], spans[index], text, end_ids)
+        examples.append(Example(input_ids[:seq_len], labels[:seq_len]))
+    kept = [example for example in examples if any(label != IGNORE_INDEX for label in example.labels)]
+    if len(kept) < len(examples):
+        logger.warning(
+            "Dropped %d of %d SFT examples with no assistant token within seq_len=%d",
+            len(examples) - len(kept),
+            len(examples),
+            seq_len,
+        )
+    return kept
+
+
+def _check_chat_tokenizer(tokenizer: Any) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no chat template, so SFT records cannot be rendered; use the tokenizer of "
+            "an instruction-tuned model or set `tokenizer.chat_template` to a Jinja template"
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"{type(tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer; the assistant loss mask needs "
+            "token offsets: load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
+        )
+
+
+def _as_chat(record: dict, index: int) -> list[dict]:
+    """The record's messages: its ``messages``, or its prompt/completion turned into user + assistant."""
+    if "messages" in record:
+        messages = record["messages"]
+    elif "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, list) and isinstance(completion, list):
+            messages = prompt + completion
+        else:
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    else:
+        raise ValueError(
+            f"SFT record {index} has keys {sorted(record)}; expected a chat {{'messages': [{{'role', 'content'}}, "
+            "...]}} or a pair {'prompt', 'completion'}"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"SFT record {index}: 'messages' must be a non-empty list of {{'role', 'content'}} dicts")
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
+            raise ValueError(
+                f"SFT record {index}, message {turn}: expected {{'role': str, 'content': str}}, got {message!r}"
+            )
+        if _START in message["content"] or _END in message["content"]:
+            raise ValueError(f"SFT record {index}, message {turn} contains the reserved characters U+E000/U+E001")
+    return messages
+
+
+def _render_chat(tokenizer: Any, messages: list[dict], index: int) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the character span of each assistant content in it.
+
+    The chat is rendered twice: as is, and with each assistant content's non-whitespace core bracketed by markers
+    (so a trimming template keeps them). Removing the markers must give the plain rendering back, with one marked
+    span per assistant message; otherwise the template dropped, repeated or rewrote a content.
+    """
+    marked_messages = [_mark_assistant(message) for message in messages]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    marked = tokenizer.apply_chat_template(marked_messages, tokenize=False)
+    unmarked, spans = _remove_markers(marked)
+    assistant_turns = sum(message["role"] == "assistant" for message in messages)
+    if unmarked != text or len(spans) != assistant_turns:
+        raise ValueError(
+            f"SFT record {index}: the chat template does not render each assistant content exactly once (it drops, "
+            "repeats or rewrites them depending on their text), so the assistant-only loss mask cannot be placed; use "
+            "a template that renders every message['content']"
+        )
+    return text, spans
+
+
+def _mark_assistant(message: dict) -> dict:
+    if message["role"] != "assistant":
+        return message
+    content = message["content"]
+    core = content.strip()
+    lead = content[: len(content) - len(content.lstrip())]
+    return {**message, "content": f"{lead}{_START}{core}{_END}{content[len(lead) + len(core) :]}"}
+
+
+def _remove_markers(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    pieces, spans, position, length = [], [], 0, 0
+    while (start := marked.find(_START, position)) >= 0:
+        end = marked.find(_END, start)
+        if end < 0:
+            break
+        pieces += [marked[position:start], marked[start + 1 : end]]
+        length += start - position
+        spans.append((length, length + end - start - 1))
+        length += end - start - 1
+        position = end + 1
+    pieces.append(marked[position:])
+    return "".join(pieces), spans
+
+
+def _end_of_turn_ids(tokenizer: Any) -> set[int]:
+    ids = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _assistant_labels(
+    input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]], text: str, end_ids: set[int]
+) -> list[int]:
+    labels = [IGNORE_INDEX] * len(input_ids)
+    token = 0
+    for span_start, span_end in spans:
+        while token < len(offsets) and offsets[token][1] <= span_start:
+            token += 1
+        while token < len(offsets) and offsets[token][0] < span_end:
+            labels[token] = input_ids[token]
+            token += 1
+        token = _label_end_of_turn(input_ids, offsets, token, text, end_ids, labels)
+    return labels
+
+
+def _label_end_of_turn(
+    input_ids: list[int], offsets: list[tuple[int, int]], token: int, text: str, end_ids: set[int], labels: list[int]
+) -> int:
+    """Label the whitespace and the first special token right after a content; nothing if other text comes first."""
+    for candidate in range(token, len(input_ids)):
+        if input_ids[candidate] in end_ids:
+            labels[token : candidate + 1] = input_ids[token : candidate + 1]
+            return candidate + 1
+        start, end = offsets[candidate]
+        if text[start:end].strip():
+            break
+    return token
+
+
+# --------------------------------------------------------------------------------------------------------- packing
+
+
+def pack_examples(examples: list[Example], seq_len: int, pad_id: int) -> list[Example]:
+    """Greedily concatenate whole examples, in order, into sequences of exactly ``seq_len``.
+
+    An example that does not fit in the current sequence starts the next one, and the current one is padded with
+    ``pad_id`` / ``-100``: examples are never split (the end of an answer without its prompt teaches nothing), so
+    every sequence, not only the last, may end in padding. Packed examples attend to each other (one causal
+    sequence); their label masks keep the loss on each example's own assistant tokens.
+    """
+    _check_positive(seq_len=seq_len)
+    packed, input_ids, labels = [], [], []
+    for index, example in enumerate(examples):
+        if len(example.input_ids) > seq_len:
+            raise ValueError(f"Example {index} has {len(example.input_ids)} tokens > seq_len={seq_len}; truncate it")
+        if len(input_ids) + len(example.input_ids) > seq_len:
+            packed.append(_padded(input_ids, labels, seq_len, pad_id))
+            input_ids, labels = [], []
+        input_ids += example.input_ids
+        labels += example.labels
+    if input_ids:
+        packed.append(_padded(input_ids, labels, seq_len, pad_id))
+    return packed
+
+
+def _padded(input_ids: list[int], labels: list[int], seq_len: int, pad_id: int) -> Example:
+    padding = seq_len - len(input_ids)
+    return Example(input_ids + [pad_id] * padding, labels + [IGNORE_INDEX] * padding)
+
+
+# ----------------------------------------------------------------------------------------------------- pretraining
+
+
+def tokenize_pretraining(texts: list[str], tokenizer: Any, seq_len: int) -> list[Example]:
+    """Tokenize each text (with the tokenizer's own special tokens, e.g. a BOS), append EOS, concatenate everything
+    and cut it into sequences of exactly ``seq_len`` with ``labels = input_ids``; a final partial one is dropped."""
+    _check_positive(seq_len=seq_len)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"{type(tokenizer).__name__} has no eos_token; set tokenizer.eos_token to separate documents")
+    stream: list[int] = []
+    for ids in tokenizer(list(texts))["input_ids"]:
+        stream += ids if ids and ids[-1] == eos else [*ids, eos]
+    count = len(stream) // seq_len
+    if count == 0:
+        raise ValueError(f"The texts hold {len(stream)} tokens, fewer than one sequence of seq_len={seq_len}")
+    chunks = (stream[i * seq_len : (i + 1) * seq_len] for i in range(count))
+    return [Example(chunk, list(chunk)) for chunk in chunks]
+
+
+# ---------------------------------------------------------------------------------------------------------- loader
+
+
+class DistributedBatchLoader:
+    """Deterministic batches, sharded over data-parallel ranks, resumable mid-epoch.
+
+    Each epoch shuffles the example indices with a ``torch.Generator`` seeded from ``(seed, epoch)``. Global batch
+    ``s`` of an epoch is the permutation's ``s``-th run of ``global_batch_size`` indices; it is cut into ``dp_size``
+    contiguous slices, rank ``dp_rank`` takes its slice and cuts it into micro batches of ``micro_batch_size`` (so
+    gradient accumulation steps = ``global_batch_size // (micro_batch_size * dp_size)``). The examples that do not
+    fill a last global batch of an epoch are dropped for that epoch (a fresh shuffle draws different ones next
+    epoch). Micro batches are right-padded to ``seq_len`` with ``pad_id`` / ``-100``.
+    """
+
+    def __init__(
+        self,
+        examples: list[Example],
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seq_len: int,
+        pad_id: int,
+        seed: int = 0,
+    ) -> None:
+        _check_positive(
+            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, dp_size=dp_size, seq_len=seq_len
+        )
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by micro_batch_size * dp_size = "
+                f"{micro_batch_size} * {dp_size}; pick a global batch that is a multiple of {micro_batch_size * dp_size}"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        if len(examples) < global_batch_size:
+            raise ValueError(
+                f"{len(examples)} examples are fewer than one global batch of {global_batch_size}; add data or lower "
+                "global_batch_size"
+            )
+        for index, example in enumerate(examples):
+            if len(example.input_ids) > seq_len:
+                raise ValueError(f"Example {index} has {len(example.input_ids)} tokens > seq_len={seq_len}")
+        self._examples = examples
+        self._global_batch_size = global_batch_size
+        self._micro_batch_size = micro_batch_size
+        self._dp_rank, self._dp_size = dp_rank, dp_size
+        self._seq_len, self._pad_id, self._seed = seq_len, pad_id, seed
+        self._epoch, self._step = 0, 0
+        self._order: list[int] | None = None
+        dropped = len(examples) % global_batch_size
+        if dropped:
+            logger.warning(
+                "%d of %d examples do not fill a last global batch of %d and are skipped each epoch",
+                dropped,
+                len(examples),
+                global_batch_size,
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches per epoch."""
+        return len(self._examples) // self._global_batch_size
+
+    @property
+    def grad_accumulation_steps(self) -> int:
+        """Micro batches per rank per global batch."""
+        return self._global_batch_size // (self._micro_batch_size * self._dp_size)
+
+    def next_global_batch(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro batches of the next global step, ``[{"input_ids", "labels"}]`` of LongTensor
+        ``[micro_batch_size, seq_len]``; wraps into the next epoch transparently."""
+        if self._step == self.steps_per_epoch:
+            self._epoch, self._step, self._order = self._epoch + 1, 0, None
+        if self._order is None:
+            self._order = _epoch_permutation(len(self._examples), self._seed, self._epoch)
+        rank_size = self._global_batch_size // self._dp_size
+        start = self._step * self._global_batch_size + self._dp_rank * rank_size
+        indices = self._order[start : start + rank_size]
+        self._step += 1
+        micro = self._micro_batch_size
+        return [self._collate(indices[i : i + micro]) for i in range(0, rank_size, micro)]
+
+    def state_dict(self) -> dict:
+        """Where the loader stands: plain ints (epoch, step within it, seed, and the sizes it must resume with)."""
+        return {
+            "epoch": self._epoch,
+            "step": self._step,
+            "seed": self._seed,
+            "num_examples": len(self._examples),
+            "global_batch_size": self._global_batch_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (the run's seed included); the data and global batch size must be the same."""
+        for key in ("num_examples", "global_batch_size"):
+            if key in state and state[key] != self.state_dict()[key]:
+                raise ValueError(
+                    f"Cannot resume: the checkpoint's loader had {key}={state[key]}, this one has "
+                    f"{self.state_dict()[key]}; resume with the same data and global_batch_size"
+                )
+        if not 0 <= state["step"] <= self.steps_per_epoch:
+            raise ValueError(f"Loader state step={state['step']} is outside [0, {self.steps_per_epoch}]")
+        self._epoch, self._step, self._seed = int(state["epoch"]), int(state["step"]), int(state["seed"])
+        self._order = None
+
+    def _collate(self, indices: Iterable[int]) -> dict[str, torch.Tensor]:
+        examples = [self._examples[index] for index in indices]
+        input_ids = torch.full((len(examples), self._seq_len), self._pad_id, dtype=torch.long)
+        labels = torch.full((len(examples), self._seq_len), IGNORE_INDEX, dtype=torch.long)
+        for row, example in enumerate(examples):
+            input_ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids, dtype=torch.long)
+            labels[row, : len(example.labels)] = torch.tensor(example.labels, dtype=torch.long)
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def _epoch_permutation(size: int, seed: int, epoch: int) -> list[int]:
+    """The same permutation on every rank and every run for ``(seed, epoch)``."""
+    digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randperm(size, generator=generator).tolist()
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

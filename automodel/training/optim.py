@@ -1,0 +1,77 @@
+"""AdamW, the warmup + cosine schedule, and gradient clipping that is correct for sharded (DTensor) gradients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .config import TrainSection
+
+__all__ = ["clip_grad_norm", "grad_norm", "make_optimizer", "make_scheduler"]
+
+
+def make_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; norms, biases and other 1-D parameters get no weight decay."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False: the per-parameter loop treats DTensors on different meshes (TP, FSDP, EP) alike.
+    return torch.optim.AdamW(
+        [group for group in groups if group["params"]], lr=train.lr, betas=train.betas, foreach=False
+    )
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``warmup_steps`` from ``lr / warmup_steps``, then cosine decay to ``min_lr`` at
+    ``max_steps``."""
+    floor = train.min_lr / train.lr
+
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        decay_steps = max(1, train.max_steps - train.warmup_steps)
+        progress = min(1.0, (step - train.warmup_steps) / decay_steps)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The global 2-norm of all gradients, as one plain tensor on every rank.
+
+    Sharded gradients live on different meshes (FSDP, TP, EP), where a single stacked norm would mix meshes. Each
+    group of gradients with the same mesh and placements is reduced with DTensor's own norm (which sums over the
+    shards), and the groups' squared norms are added.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is None:
+            continue
+        grad = param.grad
+        key = (id(grad.device_mesh), grad.placements) if isinstance(grad, DTensor) else ("local", grad.device)
+        groups.setdefault(key, []).append(grad)
+    total = torch.zeros((), dtype=torch.float32)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total = total + norm.float().cpu() ** 2
+    return total.sqrt()
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Scale the gradients so their global norm is at most ``max_norm`` (``None``: only measure it); returns the norm
+    before clipping."""
+    parameters = [param for param in parameters if param.grad is not None]
+    total = grad_norm(parameters)
+    if max_norm is not None:
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in parameters:
+            param.grad.mul_(coefficient.to(param.grad.device))
+    return total

@@ -1,0 +1,1 @@
+"""Nemotron-H sidecar: hybrid Mamba-2 / attention / MLP / MoE blocks."""

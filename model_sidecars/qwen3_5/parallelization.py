@@ -1,0 +1,90 @@
+"""Model-owned FSDP grouping for Qwen3.5: every FSDP unit holds parameters of one dtype.
+
+The sidecar model class keeps GatedDeltaNet's ``A_log`` / ``dt_bias`` / norm weight fp32 beside bf16 weights, and
+FSDP2 refuses a unit that mixes dtypes. The default units (one per decoder layer) would mix them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+from automodel.distributed import ModelParallelizer, decoder_layers, fully_shard_by_dtype
+
+__all__ = ["PARALLELIZER"]
+
+
+def _mixed_dtype_owners(layer: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
+    """Submodules of ``layer`` that own parameters of one dtype directly while some children hold another, each with
+    those children (GatedDeltaNet: fp32 ``A_log`` / ``dt_bias`` directly, bf16 projections and conv below)."""
+    owners = []
+    for module in layer.modules():
+        own = {param.dtype for param in module.parameters(recurse=False)}
+        if module is layer or len(own) != 1:
+            continue
+        others = [child for child in module.children() if any(p.dtype not in own for p in child.parameters())]
+        if others:
+            owners.append((module, others))
+    return owners
+
+
+def _shard_mixed_dtype_owners(layer: nn.Module, shard: Callable[..., nn.Module], **kwargs: Any) -> None:
+    """Give each mixed-dtype owner's other-dtype children one unit together, then the owner its own.
+
+    ``fully_shard_by_dtype`` alone would shard the owner with its children in one (mixed) unit. The children form one
+    group rather than a unit each because GatedDeltaNet reads ``conv1d.weight`` without calling ``conv1d``: the group
+    is gathered when its first member (the QKV projection, which runs before the convolution) runs.
+    """
+    for owner, others in _mixed_dtype_owners(layer):
+        shard(others, **kwargs)
+        shard(owner, **kwargs)
+
+
+def _standalone_units(model: nn.Module) -> list[nn.Module]:
+    """The input embeddings and output head, unless tied (a tied weight stays one parameter in the root unit)."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embeddings is not None and head is not None and embeddings.weight is head.weight:
+        return []
+    return [module for module in (embeddings, head) if module is not None]
+
+
+def _keeps_full_weight(model: nn.Module, unit: nn.Module) -> bool:
+    """Whether the model's transformers FSDP plan keeps ``unit``'s full weight after forward (``lm_head``)."""
+    plan = getattr(model, "fsdp_plan", None) or {}
+    name = next(name for name, module in model.named_modules() if module is unit)
+    return plan.get(name) == "keep_full_weight"
+
+
+class Qwen3_5ModelParallelizer(ModelParallelizer):
+    """Qwen3.5's parallelization: the shared flow with dtype-uniform FSDP units."""
+
+    def _apply_fsdp_sharding(
+        self,
+        model: nn.Module,
+        *,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        offload_policy: OffloadPolicy | None = None,
+        reshard_after_forward: bool | None = None,
+    ) -> nn.Module:
+        """One FSDP unit per dtype group of every decoder layer, then the embeddings, the head and the root."""
+        options = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
+        for layer in decoder_layers(model):
+            _shard_mixed_dtype_owners(
+                layer, self._fully_shard_module, reshard_after_forward=reshard_after_forward, **options
+            )
+            fully_shard_by_dtype(
+                layer, self._fully_shard_module, reshard_after_forward=reshard_after_forward, **options
+            )
+        for unit in _standalone_units(model):
+            reshard = False if _keeps_full_weight(model, unit) else reshard_after_forward
+            fully_shard_by_dtype(unit, self._fully_shard_module, reshard_after_forward=reshard, **options)
+        # The root's parameters (final norm) are needed again right after forward for backward.
+        return fully_shard_by_dtype(model, self._fully_shard_module, reshard_after_forward=False, **options)
+
+
+PARALLELIZER = Qwen3_5ModelParallelizer()

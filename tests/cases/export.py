@@ -1,0 +1,103 @@
+"""Rank-side cases for ``automodel.loading.export`` (run inside ``tests.harness.RankPool`` workers)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from automodel.auto_model import NeMoAutoModelForCausalLM
+from automodel.distributed import MeshContext
+from automodel.loading.export import ModelCardInfo, save_hf_checkpoint
+from tests.tiny_models import token_batch
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def sgd_step(model: torch.nn.Module, lr: float = 0.5) -> None:
+    """One training step on the same batch on every rank, so the exported weights differ from the checkpoint."""
+    model.train()
+    batch = token_batch(seed=7)
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def stored_keys(directory: Path) -> list[str]:
+    """Every tensor name in the safetensors files of ``directory`` (duplicates kept, to reveal them)."""
+    keys = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            keys.extend(handle.keys())
+    return keys
+
+
+def describe_export(directory: Path, reference_checkpoint: str) -> dict[str, Any]:
+    """Facts about an export: its files, index, stored keys and the keys ``save_pretrained`` of the same model writes."""
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else None
+    with tempfile.TemporaryDirectory() as plain_dir:
+        AutoModelForCausalLM.from_pretrained(reference_checkpoint).save_pretrained(plain_dir)
+        plain_keys = sorted(stored_keys(Path(plain_dir)))
+    files = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            files[file.name] = sorted(handle.keys())
+    return {
+        "files": sorted(p.name for p in directory.iterdir()),
+        "weight_map": index["weight_map"] if index else None,
+        "index_metadata": index["metadata"] if index else None,
+        "file_keys": files,
+        "stored_keys": stored_keys(directory),
+        "save_pretrained_keys": plain_keys,
+        "architectures": json.loads((directory / "config.json").read_text())["architectures"],
+    }
+
+
+def export_parity(
+    checkpoint: str, layout: dict[str, Any], directory: str, max_shard_size: str
+) -> dict[str, Any] | None:
+    """Load ``checkpoint`` for ``layout``, train one step, export; on rank 0 load the export with plain transformers
+    and compare its logits with the sharded model's (rank 0 returns the facts, the others None)."""
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context)
+    sgd_step(model)
+    batch = token_batch()
+    with torch.no_grad():
+        sharded_logits = _full(model(batch).logits).detach()
+    card = ModelCardInfo(base_model="org/tiny-base", training_summary={"recipe": "sft", "layout": layout})
+    path = save_hf_checkpoint(model, directory, max_shard_size=max_shard_size, model_card=card)
+    if dist.get_rank() != 0:
+        return None
+    exported = AutoModelForCausalLM.from_pretrained(path)
+    original = AutoModelForCausalLM.from_pretrained(checkpoint)
+    with torch.no_grad():
+        logits = exported(batch).logits
+        before = original(batch).logits
+    facts = describe_export(path, checkpoint)
+    facts["logits"] = (logits - sharded_logits).abs().max().item()
+    facts["moved_by_training"] = (before - sharded_logits).abs().max().item()
+    facts["tied"] = exported.get_input_embeddings().weight is exported.get_output_embeddings().weight
+    facts["on_meta"] = [name for name, p in exported.named_parameters() if p.is_meta]
+    return facts
+
+
+def export_refused(checkpoint: str, directory: str) -> str:
+    """The error ``save_hf_checkpoint`` raises on this rank when ``directory`` exists and is not empty."""
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=MeshContext.build("fsdp2"))
+    try:
+        save_hf_checkpoint(model, directory)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"

@@ -1,0 +1,118 @@
+"""Rank-side cases for the recipes (run inside ``tests.harness.RankPool`` workers), and the tiny chat checkpoint
+they train."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from automodel.training.config import load_config
+from automodel.training.loop import run
+from tests.tiny_models import build_model, tiny_config
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT_DATA = REPO / "recipes" / "data" / "smol_chat.jsonl"
+# ChatML without generation markers, like SmolLM2's: the loss mask cannot come from the template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``texts`` with ChatML special tokens and a chat template."""
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials))
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>", bos_token=None
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama") -> Path:
+    """A tiny random model whose vocabulary covers the shipped chat set, with its tokenizer, saved for from_pretrained."""
+    directory = Path(directory)
+    texts = ["system user assistant"]
+    for line in CHAT_DATA.read_text().splitlines():
+        record = json.loads(line)
+        texts += [m["content"] for m in record.get("messages", [])] + [
+            record.get("prompt", ""),
+            record.get("completion", ""),
+        ]
+    tokenizer = tiny_tokenizer(texts)
+    config = tiny_config(
+        architecture,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        max_position_embeddings=128,
+    )
+    build_model(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def train(config_path: str, overrides: list[str]) -> dict[str, Any]:
+    """Run a recipe on every rank; the step losses and facts about the trained model."""
+    result = run(load_config(config_path, overrides))
+    facts = {"losses": result.losses, "resumed_from": result.resumed_from, "export_dir": result.export_dir}
+    if result.export_dir is not None:
+        facts["export_logits"] = _export_matches(result)
+    return facts
+
+
+def _export_matches(result) -> float | None:
+    """Max |logits(export loaded by plain transformers) - logits(trained sharded model)| on rank 0's batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = result.model
+    batch = torch.arange(1, 17).reshape(2, 8) % model.config.vocab_size
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+    if dist.get_rank() != 0:
+        return None
+    plain = AutoModelForCausalLM.from_pretrained(result.export_dir).eval()
+    with torch.no_grad():
+        return (plain(input_ids=batch).logits - logits).abs().max().item()
+
+
+def train_with_a_crash_during_save(config_path: str, overrides: list[str], crash_step: int) -> dict[str, Any]:
+    """Run a recipe whose checkpoint write of ``crash_step`` dies after the files are written but before the
+    checkpoint is committed (as a kill at that moment would); report what is left on disk."""
+    import automodel.training.checkpoint as checkpoint
+
+    original = checkpoint.dcp.save
+
+    def dying_save(state, *, checkpoint_id):
+        original(state, checkpoint_id=checkpoint_id)
+        if f"step_{crash_step:08d}" in str(checkpoint_id):
+            raise RuntimeError("killed while writing a checkpoint")
+
+    checkpoint.dcp.save = dying_save
+    try:
+        run(load_config(config_path, overrides))
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        checkpoint.dcp.save = original
+    config = load_config(config_path, overrides)
+    directory = Path(config.checkpoint.dir)
+    return {
+        "error": error,
+        "entries": sorted(path.name for path in directory.iterdir()),
+        "latest": checkpoint.latest_checkpoint(directory).name,
+    }

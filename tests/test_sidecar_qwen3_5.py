@@ -1,0 +1,78 @@
+"""The Qwen3.5 sidecar: fp32 parity with plain transformers, a bf16 mixed-precision step with GatedDeltaNet's decay
+and norm parameters kept fp32, and proof that the dtype-aware FSDP grouping is what makes that step possible.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_sidecars.qwen3_5.model import Qwen3_5ForCausalLM
+from model_sidecars.qwen3_5.parallelization import PARALLELIZER
+from tests.cases import sidecar_qwen3_5 as cases
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return cases.save_checkpoint(str(tmp_path_factory.mktemp("qwen3_5")))
+
+
+def _assert_parity(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        assert result["parallelizer_is_sidecar"], result
+        assert result["same_class"] and result["n_grads"] == result["n_ref_grads"], result
+        assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, f"rank {rank}: {result}"
+
+
+@pytest.mark.distributed
+def test_fsdp2_matches_plain_transformers(ranks4, checkpoint):
+    _assert_parity(ranks4.run(cases.loaded_parity, checkpoint, {"strategy": "fsdp2"}))
+
+
+@pytest.mark.distributed
+def test_fsdp2_tp2_matches_plain_transformers(ranks4, checkpoint):
+    """transformers' own Qwen3.5 plan applies: attention, MLP, GatedDeltaNet projections and the head."""
+    results = ranks4.run(cases.loaded_parity, checkpoint, {"strategy": "fsdp2", "tp_size": 2})
+    _assert_parity(results)
+    sharded = results[0]["tp_sharded"]
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in sharded and "lm_head.weight" in sharded
+    assert "model.layers.1.self_attn.q_proj.weight" in sharded and "model.layers.1.mlp.up_proj.weight" in sharded
+
+
+@pytest.mark.distributed
+def test_bf16_step_keeps_decay_and_norm_parameters_fp32(ranks4, checkpoint):
+    for result in ranks4.run(cases.bf16_step, checkpoint):
+        assert result["fp32"] == cases.FP32_PARAMETERS, result
+        assert result["other_dtypes"] == ["torch.bfloat16"], result
+        assert result["finite"], result
+        assert abs(result["loss"] - result["reference_loss"]) < 5e-2, result
+        assert all(len(dtypes) == 1 for dtypes in result["unit_dtypes"].values()), result["unit_dtypes"]
+
+
+@pytest.mark.distributed
+def test_default_parallelizer_mixes_dtypes_in_one_unit_and_fails(ranks4, checkpoint):
+    result = ranks4.run(cases.default_versus_sidecar_bf16, checkpoint)[0]
+    assert result["default"]["mixed_units"] == ["model.layers.0"], result
+    assert "FSDP expects uniform original parameter dtype" in result["default"]["error"], result
+    assert result["sidecar"] == {"mixed_units": [], "error": ""}, result
+
+
+def test_registry_class_carries_the_sidecar():
+    assert Qwen3_5ForCausalLM.parallelizer is PARALLELIZER
+    assert Qwen3_5ForCausalLM.__name__ == "Qwen3_5ForCausalLM"  # save_pretrained writes a known architecture
+
+
+def test_bf16_loading_keeps_fp32_parameters_where_transformers_does_not(checkpoint):
+    import transformers
+
+    def fp32(model):
+        return sorted(name for name, p in model.named_parameters() if p.dtype == torch.float32)
+
+    assert fp32(Qwen3_5ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)) == cases.FP32_PARAMETERS
+    assert fp32(transformers.Qwen3_5ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)) == []
+    # Built on the meta device, as the parallel loader does.
+    with torch.device("meta"):
+        meta = Qwen3_5ForCausalLM._from_config(cases.tiny_config(), dtype=torch.bfloat16)
+    assert fp32(meta) == cases.FP32_PARAMETERS

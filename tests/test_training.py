@@ -1,0 +1,81 @@
+"""The SFT and pretraining recipes on 2 CPU ranks: the loss falls, a resumed run continues bitwise, a checkpoint
+reshards onto another layout, a crash mid-save leaves the previous checkpoint usable, and the export loads in plain
+transformers with the trained model's logits."""
+
+from __future__ import annotations
+
+import pytest
+from huggingface_hub import ModelCard
+
+from tests.cases.training import CHAT_DATA, REPO, save_tiny_chat_checkpoint, train, train_with_a_crash_during_save
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    return save_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
+
+
+def _config(tmp_path, checkpoint, recipe: str = "sft", data=CHAT_DATA) -> str:
+    path = tmp_path / f"{recipe}.yaml"
+    path.write_text(
+        f"""
+recipe: {recipe}
+model: {{path: {checkpoint}}}
+data: {{path: {data}}}
+train: {{max_steps: 30, global_batch_size: 8, micro_batch_size: 2, seq_len: 48, lr: 3.0e-3, warmup_steps: 3,
+        min_lr: 3.0e-4}}
+"""
+    )
+    return str(path)
+
+
+def test_sft_loss_falls_and_a_resumed_run_continues_bitwise(ranks2, chat_checkpoint, tmp_path):
+    config = _config(tmp_path, chat_checkpoint)
+    full = ranks2.run(train, config, [])[0]["losses"]
+    assert len(full) == 30 and full[-1] < 0.75 * full[0], full
+    checkpoints = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    first = ranks2.run(train, config, [checkpoints, "checkpoint.every_steps=5", "train.stop_after_steps=10"])[0]
+    assert first["losses"] == full[:10]
+    export = tmp_path / "export"
+    resumed = ranks2.run(train, config, [checkpoints, "checkpoint.every_steps=5", f"export.dir={export}"])[0]
+    assert resumed["resumed_from"] == 10
+    assert resumed["losses"] == full, "steps 11..30 after resuming must equal the uninterrupted run bitwise"
+    # The export loads in plain transformers with the trained sharded model's logits, and its card parses.
+    assert resumed["export_logits"] <= 1e-5, resumed["export_logits"]
+    card = ModelCard.load(export / "README.md")
+    assert card.data.library_name == "transformers" and "sft" in card.data.tags
+
+
+def test_a_checkpoint_resumes_on_another_layout(ranks2, chat_checkpoint, tmp_path):
+    """Saved with FSDP2 over 2 ranks, resumed with TP=2: the sharded state is re-split by DCP and training continues
+    from the same loss."""
+    config = _config(tmp_path, chat_checkpoint)
+    full = ranks2.run(train, config, [])[0]["losses"]
+    checkpoints = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    ranks2.run(train, config, [checkpoints, "train.stop_after_steps=10"])
+    resumed = ranks2.run(train, config, [checkpoints, "layout.tp_size=2", "train.stop_after_steps=5"])[0]
+    assert resumed["resumed_from"] == 10 and len(resumed["losses"]) == 15
+    assert resumed["losses"][:10] == full[:10]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"][10:], full[10:15], strict=True)) < 1e-4, resumed["losses"]
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(ranks2, chat_checkpoint, tmp_path):
+    config = _config(tmp_path, chat_checkpoint)
+    full = ranks2.run(train, config, [])[0]["losses"]
+    overrides = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=5"]
+    crashed = ranks2.run(train_with_a_crash_during_save, config, overrides, 10)[0]
+    assert crashed["error"] == "killed while writing a checkpoint"
+    assert crashed["entries"] == ["step_00000005", "step_00000010.partial"] and crashed["latest"] == "step_00000005"
+    resumed = ranks2.run(train, config, overrides)[0]
+    assert resumed["resumed_from"] == 5 and resumed["losses"] == full
+
+
+def test_pretraining_from_config_on_packed_text_falls_and_resumes(ranks2, chat_checkpoint, tmp_path):
+    config = _config(tmp_path, chat_checkpoint, recipe="pretrain", data=REPO / "recipes" / "data" / "tiny_corpus.txt")
+    full = ranks2.run(train, config, [])[0]["losses"]
+    assert full[-1] < 0.75 * full[0], full
+    checkpoints = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    ranks2.run(train, config, [checkpoints, "train.stop_after_steps=10"])
+    assert ranks2.run(train, config, [checkpoints])[0]["losses"] == full
