@@ -21,6 +21,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+from transformers.core_model_loading import build_glob_alternation
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from automodel.distributed import MeshContext, ModelParallelizer
@@ -121,8 +122,14 @@ class _NeMoAutoBase:
         kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
+        sidecar = _registered_class(config)
         torch.manual_seed(seed)
-        reference = cls._auto_class.from_config(config, **kwargs)
+        if sidecar is not None:
+            kwargs.pop("trust_remote_code")
+            reference = sidecar._from_config(config, **kwargs)
+        else:
+            reference = cls._auto_class.from_config(config, **kwargs)
+        _keep_in_fp32(reference, dtype)
         if mesh_context is None:
             return reference
         model = cls._build_on_meta(config, dtype, attn_implementation, trust_remote_code)
@@ -147,12 +154,33 @@ class _NeMoAutoBase:
         kwargs: dict[str, Any] = {"dtype": dtype}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
-        architecture = (getattr(config, "architectures", None) or [None])[0]
-        sidecar = sidecar_class(architecture) if architecture else None
+        sidecar = _registered_class(config)
         with torch.device("meta"):
             if sidecar is not None:
-                return sidecar._from_config(config, **kwargs)
-            return cls._auto_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+                model = sidecar._from_config(config, **kwargs)
+            else:
+                model = cls._auto_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+        _keep_in_fp32(model, dtype)
+        return model
+
+
+def _registered_class(config: PretrainedConfig) -> type | None:
+    """The sidecar model class registered for the config's architecture, or ``None``."""
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    return sidecar_class(architecture) if architecture else None
+
+
+def _keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> None:
+    """transformers' ``_keep_in_fp32_modules`` (fp16) / ``_keep_in_fp32_modules_strict`` (fp16 and bf16) convention:
+    ``from_pretrained`` applies it while loading weights, but construction (``from_config``) does not, so the meta
+    model gets it here, as plain transformers' loaded model has it."""
+    plan = model._get_dtype_plan(dtype) if isinstance(model, PreTrainedModel) else {}
+    if not plan:
+        return
+    pattern, _, _ = build_glob_alternation(list(plan))
+    for name, param in model.named_parameters():
+        if pattern.search(name) and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
 
 
 class NeMoAutoModelForCausalLM(_NeMoAutoBase):

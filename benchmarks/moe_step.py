@@ -19,13 +19,12 @@ Contenders:
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
+
+from _ranks import init_rank, run_ranks
 
 
 def make_checkpoint(directory: Path) -> Path:
@@ -73,14 +72,10 @@ def _build(contender: str, directory: Path, world: int):
 
 
 def _rank_main(rank: int, world: int, port: int, contender: str, directory: str, args: dict, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
+    init_rank(rank, world, port)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=20))
     model, batches = _build(contender, Path(directory), world)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
@@ -98,28 +93,15 @@ def _rank_main(rank: int, world: int, port: int, contender: str, directory: str,
         dist.barrier()
         if step >= args["warmup"]:
             times.append(time.perf_counter() - start)
-    results.put((rank, statistics.median(times), batches * args["batch"] * args["seq"], float(loss.detach())))
+    results.put((rank, (statistics.median(times), batches * args["batch"] * args["seq"], float(loss.detach()))))
     dist.destroy_process_group()
 
 
 def run_contender(contender: str, directory: Path, world: int, args: dict) -> dict:
     """Start ``world`` fresh ranks for ``contender``; return its median step time and global tokens/s."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    processes = [
-        context.Process(target=_rank_main, args=(rank, world, port, contender, str(directory), args, results))
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    rows = sorted(results.get(timeout=3600) for _ in range(world))
-    for process in processes:
-        process.join(timeout=60)
-    seconds = max(row[1] for row in rows)
-    return {"seconds": seconds, "tokens_per_s": rows[0][2] / seconds, "loss": rows[0][3]}
+    rows = run_ranks(_rank_main, world, contender, str(directory), args)
+    seconds = max(row[0] for row in rows)
+    return {"seconds": seconds, "tokens_per_s": rows[0][1] / seconds, "loss": rows[0][2]}
 
 
 def main() -> None:

@@ -10,7 +10,12 @@ import importlib
 
 __all__ = ["SIDECAR_CLASSES", "sidecar_class"]
 
-SIDECAR_CLASSES: dict[str, str] = {}
+SIDECAR_CLASSES: dict[str, str] = {
+    "DeepseekV4ForCausalLM": "model_sidecars.deepseek_v4.model.DeepseekV4ForCausalLM",
+    "DiffusionGemmaForBlockDiffusion": "model_sidecars.diffusion_gemma.model.DiffusionGemmaForBlockDiffusion",
+    "NemotronHForCausalLM": "model_sidecars.nemotron_h.model.NemotronHForCausalLM",
+    "Qwen3_5ForCausalLM": "model_sidecars.qwen3_5.model.Qwen3_5ForCausalLM",
+}
 
 
 def sidecar_class(architecture: str) -> type | None:

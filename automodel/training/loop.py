@@ -24,7 +24,7 @@ from .config import RecipeConfig
 from .data import DistributedBatchLoader, load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .optim import clip_grad_norm, make_optimizer, make_scheduler
 
-__all__ = ["TrainResult", "build_mesh_context", "run"]
+__all__ = ["TrainResult", "build_mesh_context", "run", "train_step"]
 
 logger = logging.getLogger("automodel.training")
 
@@ -109,7 +109,7 @@ def _valid_targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != -100).sum()
 
 
-def _train_step(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], context: MeshContext) -> torch.Tensor:
+def train_step(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], context: MeshContext) -> torch.Tensor:
     """Forward and backward over this rank's micro batches; returns the step's global mean token loss.
 
     Each micro batch's loss is its token-loss sum divided by (the step's valid tokens over all data-parallel ranks /
@@ -173,7 +173,7 @@ def run(config: RecipeConfig) -> TrainResult:
     for step in bar:
         start = time.perf_counter()
         micro_batches = loader.next_global_batch()
-        loss = _train_step(model, micro_batches, context)
+        loss = train_step(model, micro_batches, context)
         norm = clip_grad_norm(model.parameters(), train.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -248,6 +248,7 @@ def _export(config: RecipeConfig, model: nn.Module, tokenizer):
         tokenizer=tokenizer,
         max_shard_size=config.export.max_shard_size,
         model_card=info,
+        model_id=config.export.push_to_hub,
         overwrite=True,
     )
     if config.export.push_to_hub and dist.get_rank() == 0:

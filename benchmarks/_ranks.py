@@ -1,0 +1,40 @@
+"""Start N fresh CPU gloo ranks for one benchmark contender and collect one result per rank (shared by the
+benchmarks; imports stay outside the timed spans of the callers)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+def init_rank(rank: int, world: int, port: int) -> None:
+    """The torchrun environment and a gloo process group for ``rank``, one intra-op thread per rank."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(minutes=20))
+
+
+def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float = 3600) -> list[Any]:
+    """Run ``target(rank, world, port, *args, results)`` on ``world`` spawned processes; return their results sorted
+    by rank (each rank puts one ``(rank, result)`` on ``results``)."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    processes = [context.Process(target=target, args=(rank, world, port, *args, results)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    rows = sorted((results.get(timeout=timeout) for _ in range(world)), key=lambda row: row[0])
+    for process in processes:
+        process.join(timeout=60)
+    return [row[1] for row in rows]
