@@ -30,6 +30,7 @@ from automodel.loading import load_checkpoint, materialize, plan_checkpoint, res
 from automodel.loading.agreement import agree_or_raise
 from automodel.loading.sharded_loader import load_into, state_tensors
 from automodel.loading.sources import InMemoryTensor
+from automodel.lora import add_lora
 from model_sidecars import sidecar_class
 
 __all__ = ["NeMoAutoModel", "NeMoAutoModelForCausalLM"]
@@ -57,6 +58,7 @@ class _NeMoAutoBase:
         attn_implementation: str | None = None,
         strict: bool = True,
         tp_plan: dict[str, str] | None = None,
+        peft_config: Any = None,
         torch_dtype: torch.dtype | str | None = None,
         **config_overrides: Any,
     ) -> nn.Module:
@@ -68,6 +70,8 @@ class _NeMoAutoBase:
         ``tp_plan`` replaces the model's own tensor-parallel plan (transformers style names, full module names with
         ``*`` for layer numbers), e.g. to shard only the MLPs of a model whose heads do not divide ``tp_size``.
         ``config_overrides`` update the config, as in transformers.
+        ``peft_config`` (a ``peft.LoraConfig``) adds LoRA adapters before parallelization (FSDP2 path; see
+        ``automodel.lora``): only they are trainable, initialised as peft does.
         """
         dtype = _dtype_argument(dtype, torch_dtype)
         directory = resolve_checkpoint_dir(
@@ -87,6 +91,8 @@ class _NeMoAutoBase:
         agree_or_raise(error, f"Building the model of {name_or_path}")
         plan = plan_checkpoint(model, directory, strict=strict)
         _set_tp_plan(model, tp_plan)
+        if peft_config is not None:
+            plan.keys.sources = add_lora(model, peft_config, mesh_context, plan.keys.sources)
         model = _parallelize(model, mesh_context)
         materialize(model, _device(mesh_context))
         inner = _transformers_model(model)

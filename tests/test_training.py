@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 from huggingface_hub import ModelCard
 
-from tests.cases.training import CHAT_DATA, REPO, save_tiny_chat_checkpoint, train, train_with_a_crash_during_save
+from tests.cases.training import (
+    CHAT_DATA,
+    REPO,
+    save_tiny_chat_checkpoint,
+    train,
+    train_lora,
+    train_with_a_crash_during_save,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -79,3 +86,23 @@ def test_pretraining_from_config_on_packed_text_falls_and_resumes(ranks2, chat_c
     checkpoints = f"checkpoint.dir={tmp_path / 'ckpt'}"
     ranks2.run(train, config, [checkpoints, "train.stop_after_steps=10"])
     assert ranks2.run(train, config, [checkpoints])[0]["losses"] == full
+
+
+def test_sft_with_lora_trains_only_the_adapters_and_exports_them_merged(ranks2, chat_checkpoint, tmp_path):
+    config = _config(tmp_path, chat_checkpoint)
+    export = tmp_path / "export"
+    result = ranks2.run(
+        train_lora,
+        config,
+        ["lora.rank=8", "lora.alpha=16", "lora.target_modules=[q_proj, v_proj, up_proj, down_proj]", "train.lr=3e-2"]
+        + [f"export.dir={export}"],
+    )[0]
+    losses = result["losses"]
+    # Rank-8 adapters on a random tiny model fit less than full training (which falls below 0.75x).
+    assert losses[-1] < losses[0] - 0.3 and sum(losses[-5:]) < sum(losses[:5]) - 1.5, losses
+    assert result["export_logits"] <= 1e-5, result["export_logits"]
+    # Only the projections the adapters wrap moved (their merged weights); everything else is the checkpoint's.
+    assert result["changed_weights"] and all(
+        name.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight", "down_proj.weight"))
+        for name in result["changed_weights"]
+    ), result["changed_weights"]

@@ -76,3 +76,17 @@ def test_the_command_refuses_a_bad_config_before_starting_processes(config_file)
     assert result.returncode == 2
     assert "config error: train.lr=-1.0 must be > 0" in result.stderr
     assert "torch.distributed.run" not in result.stderr
+
+
+def test_lora_section(config_file):
+    config = load_config(config_file, ["lora.rank=8", "lora.target_modules=[q_proj, k_proj, v_proj]"])
+    assert config.lora.rank == 8 and config.lora.target_modules == ("q_proj", "k_proj", "v_proj")
+    assert load_config(config_file, ["lora.rank=4", "lora.target_modules=all-linear"]).lora.target_modules == (
+        "all-linear",
+    )
+    with pytest.raises(ConfigError, match="set a positive rank"):
+        load_config(config_file, ["lora.alpha=32"])
+    with pytest.raises(ConfigError, match="FSDP2 path without TP or EP"):
+        load_config(config_file, ["lora.rank=8", "layout.tp_size=2"])
+    with pytest.raises(ConfigError, match="not pretraining"):
+        load_config(config_file, ["lora.rank=8", "recipe=pretrain"])

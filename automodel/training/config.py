@@ -23,6 +23,7 @@ __all__ = [
     "DataSection",
     "ExportSection",
     "LayoutSection",
+    "LoraSection",
     "ModelSection",
     "RecipeConfig",
     "TrainSection",
@@ -95,6 +96,16 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters through ``peft`` (SFT on the FSDP2 path); ``rank: 0`` trains the whole model."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     """``dir``: where step checkpoints go (resumed from automatically); ``every_steps``: 0 saves only at the end."""
 
@@ -121,6 +132,7 @@ class RecipeConfig:
     layout: LayoutSection = field(default_factory=LayoutSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     export: ExportSection = field(default_factory=ExportSection)
 
@@ -207,6 +219,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if value in args and type(value) is type(next(a for a in args if a == value)):
             return value
         raise ConfigError(f"{key}={value!r} is not one of {list(args)}.")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} must be a list.")
+        return tuple(_coerce(item, args[0], f"{key}[{i}]") for i, item in enumerate(value))
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}={value!r} must be a list of {len(args)} values.")
@@ -261,9 +279,29 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError("train.stop_after_steps needs a value >= 1 and checkpoint.dir (the run resumes from it).")
     if train.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.tensorboard_dir needs the tensorboard package: pip install tensorboard.")
+    _validate_lora(config)
     if config.checkpoint.every_steps < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1.")
     if config.checkpoint.every_steps and config.checkpoint.dir is None:
         raise ConfigError("checkpoint.every_steps is set but checkpoint.dir is not: say where checkpoints go.")
     if config.export.push_to_hub and config.export.dir is None:
         raise ConfigError("export.push_to_hub needs export.dir (the folder that is uploaded).")
+
+
+def _validate_lora(config: RecipeConfig) -> None:
+    lora, layout = config.lora, config.layout
+    if lora.rank < 0 or lora.rank == 0 and lora != LoraSection():
+        raise ConfigError(
+            f"lora.rank={lora.rank}: set a positive rank to train LoRA adapters (0 trains the whole model)."
+        )
+    if lora.rank == 0:
+        return
+    if config.recipe != "sft":
+        raise ConfigError("lora.rank > 0 adapts a pretrained model: use it with `automodel sft`, not pretraining.")
+    if layout.strategy != "fsdp2" or layout.tp_size > 1 or layout.ep_size > 1:
+        raise ConfigError(
+            "LoRA runs on the FSDP2 path without TP or EP (the adapters wrap the projections their plans name): "
+            "layout.strategy=fsdp2, layout.tp_size=1, layout.ep_size=1."
+        )
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError('lora.rank > 0 needs the peft package: pip install "automodel[peft]".')

@@ -80,7 +80,19 @@ def _build_model(config: RecipeConfig, context: MeshContext) -> nn.Module:
         revision=model.revision,
         trust_remote_code=model.trust_remote_code,
         attn_implementation=model.attn_implementation,
+        peft_config=_lora_config(config),
     )
+
+
+def _lora_config(config: RecipeConfig):
+    lora = config.lora
+    if lora.rank == 0:
+        return None
+    from peft import LoraConfig
+
+    # peft's shorthand for every linear layer but the output head is the bare string.
+    targets = "all-linear" if lora.target_modules == ("all-linear",) else list(lora.target_modules)
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
 
 
 def _build_loader(config: RecipeConfig, tokenizer, context: MeshContext) -> DistributedBatchLoader:
@@ -241,6 +253,11 @@ def _export(config: RecipeConfig, model: nn.Module, tokenizer):
         "layout": {k: v for k, v in config.to_dict()["layout"].items() if v not in (1, False, None)},
         "data": config.data.path,
     }
+    if config.lora.rank:
+        from automodel.lora import merge_lora
+
+        summary["lora"] = {"rank": config.lora.rank, "alpha": config.lora.alpha, "targets": config.lora.target_modules}
+        model = merge_lora(model)  # the export is a plain checkpoint: adapters folded into the weights
     info = ModelCardInfo(base_model=config.model.path, training_summary=summary, tags=(config.recipe,))
     directory = save_hf_checkpoint(
         model,

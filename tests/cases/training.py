@@ -116,3 +116,20 @@ def train_with_a_crash_during_save(config_path: str, overrides: list[str], crash
         "entries": sorted(path.name for path in directory.iterdir()),
         "latest": checkpoint.latest_checkpoint(directory).name,
     }
+
+
+def train_lora(config_path: str, overrides: list[str]) -> dict[str, Any]:
+    """Run a LoRA recipe; also report whether the base weights stayed exactly the checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(config_path, overrides)
+    result = run(config)
+    facts = {"losses": result.losses, "export_logits": _export_matches(result) if result.export_dir else None}
+    if dist.get_rank() == 0 and result.export_dir:
+        base = AutoModelForCausalLM.from_pretrained(config.model.path)
+        exported = AutoModelForCausalLM.from_pretrained(result.export_dir)
+        changed = {
+            name for name, param in exported.named_parameters() if not torch.equal(param, base.get_parameter(name))
+        }
+        facts["changed_weights"] = sorted(changed)
+    return facts
