@@ -163,7 +163,31 @@ def bf16_load_and_step(directory: Path) -> dict:
     }
 
 
-CHECKS = [fsdp2_load_parity, megatron_fsdp_parity, bf16_load_and_step]
+def sft_recipe(directory: Path) -> dict:
+    """The SFT recipe on CUDA (bf16 mixed precision, then LoRA): loss falls, the export matches the trained model."""
+    from tests.cases.training import CHAT_DATA, save_tiny_chat_checkpoint, train
+
+    checkpoint = save_tiny_chat_checkpoint(directory / "chat") if dist.get_rank() == 0 else directory / "chat"
+    dist.barrier()
+    config = directory / "sft.yaml"
+    if dist.get_rank() == 0:
+        config.write_text(
+            f"model: {{path: {checkpoint}}}\ndata: {{path: {CHAT_DATA}}}\n"
+            "train: {max_steps: 20, global_batch_size: 8, micro_batch_size: 2, seq_len: 48, lr: 3.0e-3}\n"
+        )
+    dist.barrier()
+    results = {}
+    for name, overrides in {
+        "bf16": ["model.dtype=bfloat16", f"export.dir={directory / 'export_bf16'}"],
+        "lora": ["lora.rank=8", "train.lr=3e-2", f"export.dir={directory / 'export_lora'}"],
+    }.items():
+        facts = train(str(config), overrides)
+        losses = facts["losses"]
+        results[name] = {"first": losses[0], "last": losses[-1], "export_logits": facts.get("export_logits")}
+    return results
+
+
+CHECKS = [fsdp2_load_parity, megatron_fsdp_parity, bf16_load_and_step, sft_recipe]
 
 
 def main() -> None:

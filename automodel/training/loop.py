@@ -129,8 +129,8 @@ def train_step(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], c
     batch, however tokens fall into micro batches, ranks and context-parallel shards.
     """
     device = next(model.parameters()).device
-    valid = torch.stack([_valid_targets(batch["labels"]) for batch in micro_batches]).sum().float()
-    dist.all_reduce(valid, group=context.mesh("dp").get_group())
+    valid = torch.stack([_valid_targets(batch["labels"]) for batch in micro_batches]).sum().float().to(device)
+    dist.all_reduce(valid, group=context.mesh("dp").get_group())  # on the device: NCCL reduces device tensors only
     averaged_over = context.size("dp_cp")
     num_items = (valid / averaged_over).to(device)
     total = torch.zeros((), device=device)

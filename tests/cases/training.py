@@ -79,14 +79,15 @@ def _export_matches(result) -> float | None:
     batch = torch.arange(1, 17).reshape(2, 8) % model.config.vocab_size
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=batch).logits
+        logits = model(input_ids=batch.to(next(model.parameters()).device)).logits
         if hasattr(logits, "full_tensor"):
             logits = logits.full_tensor()
+        logits = logits.float().cpu()
     if dist.get_rank() != 0:
         return None
     plain = AutoModelForCausalLM.from_pretrained(result.export_dir).eval()
     with torch.no_grad():
-        return (plain(input_ids=batch).logits - logits).abs().max().item()
+        return (plain(input_ids=batch).logits.float() - logits).abs().max().item()
 
 
 def train_with_a_crash_during_save(config_path: str, overrides: list[str], crash_step: int) -> dict[str, Any]:
