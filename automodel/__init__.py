@@ -19,6 +19,7 @@ _LAZY = {
     "MoEConfig": "automodel.distributed",
     "NeMoAutoModel": "automodel.auto_model",
     "NeMoAutoModelForCausalLM": "automodel.auto_model",
+    "NeMoAutoDiffusionPipeline": "automodel.diffusion",
 }
 
 __all__ = [
@@ -28,12 +29,14 @@ __all__ = [
     "MeshContext",
     "MoEConfig",
     "ModelParallelizer",
+    "NeMoAutoDiffusionPipeline",
     "NeMoAutoModel",
     "NeMoAutoModelForCausalLM",
 ]
 
 if TYPE_CHECKING:
     from automodel.auto_model import NeMoAutoModel, NeMoAutoModelForCausalLM
+    from automodel.diffusion import NeMoAutoDiffusionPipeline
     from automodel.distributed import (
         DDPConfig,
         FSDP2Config,

@@ -69,11 +69,23 @@ def model_fsdp_plan(model: nn.Module) -> dict[str, str]:
 
 def module_style(module_name: str, plan: dict[str, str]) -> str | None:
     """The style a plan (with ``*`` wildcards) gives the module ``module_name``, or ``None``."""
-    return _get_parameter_plan(module_name, plan, is_weight=False)
+    return _plan_style(module_name, plan, is_weight=False)
+
+
+def _plan_style(name: str, plan: dict[str, str], *, is_weight: bool) -> str | None:
+    """The plan's style for a parameter (or its module) or a module: an entry naming it exactly, else transformers'
+    lookup, which reads every layer number as ``*`` (so it cannot address one element of a list, e.g. ``to_out.0``
+    beside a dropout ``to_out.1``)."""
+    if name in plan:
+        return plan[name]
+    if is_weight and "." in name and (module_name := name.rsplit(".", 1)[0]) in plan:
+        return plan[module_name]
+    return _get_parameter_plan(name, plan, is_weight=is_weight)
 
 
 def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """Replace the plan's ``*`` with real layer numbers: one entry per matching parameter, then its module.
+    """Replace the plan's ``*`` with real layer numbers: one entry per matching parameter, then its module. Entries
+    may also name a module exactly.
 
     Tied parameters appear under every name (``named_parameters(recurse=False)`` of each module), so the caller can
     shard each alias consistently.
@@ -82,9 +94,9 @@ def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     for module_name, module in model.named_modules():
         for param_name, _ in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
-            if (style := _get_parameter_plan(name, plan, is_weight=True)) is not None:
+            if (style := _plan_style(name, plan, is_weight=True)) is not None:
                 expanded[name] = style
-        if module_name and (style := _get_parameter_plan(module_name, plan, is_weight=False)) is not None:
+        if module_name and (style := _plan_style(module_name, plan, is_weight=False)) is not None:
             expanded[module_name] = style
     return expanded
 

@@ -25,6 +25,14 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
+# The weight files a directory may hold, in the order they are looked for: (index, single file, kind). transformers
+# names them model.* / pytorch_model.*, diffusers components diffusion_pytorch_model.*.
+WEIGHT_FILES = [
+    (SAFE_INDEX, SAFE_SINGLE, "safetensors"),
+    ("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors", "safetensors"),
+    (BIN_INDEX, BIN_SINGLE, "bin"),
+    ("diffusion_pytorch_model.bin.index.json", "diffusion_pytorch_model.bin", "bin"),
+]
 MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors refuses larger headers: such a length is garbage, not truncation
 
 
@@ -178,9 +186,10 @@ def _checked_header(path: Path) -> SafetensorsHeader | None:
 
 
 def open_checkpoint(directory: Path) -> CheckpointFiles:
-    """Find the weights in ``directory`` (safetensors preferred, then ``.bin``) and map every key to its file."""
+    """Find the weights in ``directory`` (safetensors preferred, then ``.bin``; transformers' or diffusers' file names,
+    see ``WEIGHT_FILES``) and map every key to its file."""
     directory = Path(directory)
-    for index_name, single_name, kind in ((SAFE_INDEX, SAFE_SINGLE, "safetensors"), (BIN_INDEX, BIN_SINGLE, "bin")):
+    for index_name, single_name, kind in WEIGHT_FILES:
         if (directory / index_name).is_file():
             weight_map = _read_index(directory / index_name)
             missing = sorted({name for name in weight_map.values() if not (directory / name).is_file()})
@@ -194,9 +203,8 @@ def open_checkpoint(directory: Path) -> CheckpointFiles:
             files = CheckpointFiles(directory, {}, kind)
             files.key_to_file = dict.fromkeys(_single_file_keys(directory / single_name, files, kind), single_name)
             return files
-    raise CheckpointError(
-        f"No weights in {directory}: expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX}."
-    )
+    expected = ", ".join(name for index_name, single_name, _ in WEIGHT_FILES for name in (single_name, index_name))
+    raise CheckpointError(f"No weights in {directory}: expected one of {expected}.")
 
 
 def _read_index(path: Path) -> dict[str, str]:

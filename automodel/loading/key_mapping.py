@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
@@ -49,7 +50,8 @@ def plan_keys(model: nn.Module, files: CheckpointFiles, model_names: dict[str, t
     stored = list(files.keys())
     # Building transformers' conversion table compiles about a thousand regexes (a third of a second) the first time:
     # skip it when every stored key already names a model tensor, as for most dense checkpoints.
-    needs_conversion = hasattr(model, "config") and not all(key in model_names for key in stored)
+    # Only transformers models have a conversion mapping; other models (diffusers) store their module tree's names.
+    needs_conversion = isinstance(model, PreTrainedModel) and not all(key in model_names for key in stored)
     transforms = get_model_conversion_mapping(model) if needs_conversion else []
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]

@@ -1,0 +1,262 @@
+"""``NeMoAutoDiffusionPipeline``: a diffusers pipeline whose selected components are loaded straight into parallelized
+modules, under the same topology-ownership rule as the causal-LM auto classes.
+
+The caller supplies one resolved ``MeshContext``. Each component named in ``components_to_load`` is built on the
+meta device from its config, parallelized by its class's ``parallelizer`` (default ``ModelParallelizer()``) with
+that one context, and filled from its subfolder's weights by the sharded loader (each rank reading only its slices).
+diffusers loads the other components as usual and assembles the pipeline around the parallelized ones. ``diffusers``
+is an optional extra: ``pip install "automodel[diffusion]"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from automodel.distributed import MeshContext, ModelParallelizer
+from automodel.distributed.megatron_fsdp import install_loaded_weights
+from automodel.loading import CheckpointError, CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
+from automodel.loading.agreement import agree_or_raise
+from automodel.loading.initialization import non_persistent_buffer_names
+from automodel.loading.sharded_loader import load_into
+
+__all__ = ["NeMoAutoDiffusionPipeline"]
+
+INSTALL_HINT = 'pip install "automodel[diffusion]"'
+DEFAULT_COMPONENTS = ("transformer",)
+
+
+def _require(module_name: str) -> Any:
+    """An optional dependency of the diffusion extra (``diffusers``, ``accelerate``), or an ImportError that says how
+    to install it."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImportError(
+            f"NeMoAutoDiffusionPipeline needs the optional `{module_name}` dependency, which is not installed: "
+            f"{INSTALL_HINT}"
+        ) from error
+
+
+class NeMoAutoDiffusionPipeline:
+    """``diffusers.DiffusionPipeline.from_pretrained``, with the selected components loaded parallelized.
+
+    ``from_pretrained`` returns the diffusers pipeline itself (e.g. a ``FluxPipeline``), not a wrapper.
+    """
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        *,
+        mesh_context: MeshContext | None = None,
+        components_to_load: Sequence[str] = DEFAULT_COMPONENTS,
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        **pipeline_kwargs: Any,
+    ) -> Any:
+        """Load the pipeline at ``name_or_path`` (hub id or local directory) with every component in
+        ``components_to_load`` parallelized for ``mesh_context``.
+
+        Without ``mesh_context`` the plain diffusers pipeline is returned. ``dtype`` is the dtype of every component
+        (diffusers' default, float32, when ``None``). ``pipeline_kwargs`` go to ``DiffusionPipeline.from_pretrained``.
+        """
+        diffusers = _require("diffusers")
+        directory = _resolve_pipeline_dir(diffusers, name_or_path, revision, cache_dir, local_files_only, token)
+        components = _pipeline_components(diffusers, directory)
+        selected = _checked_selection(diffusers, components, components_to_load, name_or_path)
+        if dtype is not None:
+            pipeline_kwargs["torch_dtype"] = dtype
+        if mesh_context is None:
+            return diffusers.DiffusionPipeline.from_pretrained(directory, **pipeline_kwargs)
+        for name, component_class in selected.items():
+            pipeline_kwargs[name] = _load_parallelized(directory / name, component_class, mesh_context, dtype)
+        pipe = diffusers.DiffusionPipeline.from_pretrained(directory, **pipeline_kwargs)
+        # diffusers records a component's (library, class) from its runtime class, which FSDP2 / DDP replace with a
+        # dynamic subclass (FSDPFluxTransformer2DModel): keep the entries of model_index.json, so the pipeline's
+        # config still names the loadable classes.
+        pipe.register_to_config(**{name: components[name] for name in selected})
+        return pipe
+
+
+def _resolve_pipeline_dir(
+    diffusers: Any,
+    name_or_path: str | os.PathLike,
+    revision: str | None,
+    cache_dir: str | os.PathLike | None,
+    local_files_only: bool,
+    token: str | bool | None,
+) -> Path:
+    """A local pipeline directory: ``name_or_path`` itself, or the hub snapshot diffusers downloads (the hub cache's
+    file locks make concurrent downloads by several ranks safe)."""
+    if Path(name_or_path).is_dir():
+        return Path(name_or_path)
+    directory, error = None, None
+    try:
+        directory = Path(
+            diffusers.DiffusionPipeline.download(
+                str(name_or_path),
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                token=token,
+            )
+        )
+    except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
+        error = exc
+    agree_or_raise(error, f"Resolving {name_or_path}")
+    return directory
+
+
+def _pipeline_components(diffusers: Any, directory: Path) -> dict[str, tuple[str, str]]:
+    """Component name -> ``(library, class name)`` from the pipeline's ``model_index.json`` (null ones left out)."""
+    if not (directory / "model_index.json").is_file():
+        raise FileNotFoundError(f"{directory} has no model_index.json, so it is not a diffusers pipeline.")
+    index = diffusers.DiffusionPipeline.load_config(directory)
+    return {
+        name: tuple(entry)
+        for name, entry in index.items()
+        if not name.startswith("_") and isinstance(entry, (list, tuple)) and len(entry) == 2 and None not in entry
+    }
+
+
+def _component_class(diffusers: Any, library: str, class_name: str) -> type:
+    """The class ``model_index.json`` names: in a library (diffusers, transformers) or a diffusers pipeline module."""
+    module = getattr(diffusers.pipelines, library, None) or importlib.import_module(library)
+    return getattr(module, class_name)
+
+
+def _checked_selection(
+    diffusers: Any, components: dict[str, tuple[str, str]], requested: Sequence[str], name_or_path: Any
+) -> dict[str, type]:
+    """The requested components' classes, each one a torch module of the pipeline."""
+    if isinstance(requested, str):
+        requested = [requested]
+    unknown = [name for name in requested if name not in components]
+    if unknown:
+        raise ValueError(
+            f"components_to_load names {unknown}, which the pipeline {name_or_path} does not have. Its components "
+            f"are: {sorted(components)}."
+        )
+    classes = {name: _component_class(diffusers, *components[name]) for name in requested}
+    not_modules = {name: cls.__name__ for name, cls in classes.items() if not issubclass(cls, nn.Module)}
+    if not_modules:
+        raise ValueError(
+            f"components_to_load names {not_modules}, which are not torch modules and cannot be parallelized: "
+            "choose among the pipeline's models (transformer, unet, vae, text encoders)."
+        )
+    return classes
+
+
+def _load_parallelized(
+    subfolder: Path, component_class: type, mesh_context: MeshContext, dtype: torch.dtype | None
+) -> nn.Module:
+    """Build on meta -> check the checkpoint -> parallelize -> allocate the local shards -> read only those."""
+    component, error = None, None
+    try:
+        component = _build_on_meta(subfolder, component_class, dtype)
+    except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
+        error = exc
+    agree_or_raise(error, f"Building the component {subfolder.name}")
+    plan = plan_checkpoint(component, subfolder)
+    parallelizer = getattr(type(component), "parallelizer", None) or ModelParallelizer()
+    _use_class_tp_plan(component, parallelizer, mesh_context)
+    parallelized = parallelizer.parallelize(component, mesh_context)
+    if not isinstance(parallelized, component_class):
+        raise TypeError(
+            f"Parallelizing {subfolder.name} with {type(mesh_context.strategy).__name__} returned a "
+            f"{type(parallelized).__name__} wrapper, but the pipeline needs a {component_class.__name__}: use the "
+            "fsdp2 or ddp strategy, which keep the component's own class."
+        )
+    _load_weights(parallelized, plan, _device(mesh_context))
+    install_loaded_weights(parallelized)
+    return parallelized.eval()
+
+
+def _use_class_tp_plan(component: nn.Module, parallelizer: ModelParallelizer, mesh_context: MeshContext) -> None:
+    """Under TP, give a diffusers component its class's plan in the form the shared TP reads.
+
+    diffusers plans are globs whose one ``*`` stands for a block index, and may name one element of a list
+    (``attn.to_out.0``, beside a dropout ``to_out.1``), which transformers' wildcard convention cannot address; they
+    are expanded here to exact module names. Plans may also hold diffusers-only style objects (Flux's
+    ``PackedRowwiseParallel`` for a fused input of unequal parts), which have no transformers style: a clear error.
+    """
+    if mesh_context.tp_size == 1 or parallelizer._tp_plan is not None or isinstance(component, PreTrainedModel):
+        return
+    plan = getattr(component, "_tp_plan", None) or {}
+    foreign = {name: type(style).__name__ for name, style in plan.items() if not isinstance(style, str)}
+    if foreign:
+        raise ValueError(
+            f"The tensor-parallel plan of {type(component).__name__} uses diffusers' own styles {foreign}, which have "
+            "no transformers style name, so the shared tensor parallelism cannot apply it. Use tp_size=1 (FSDP2 "
+            "only) for this component, or give its class a `parallelizer` whose `_tp_plan` uses transformers "
+            "style names."
+        )
+    names = [name for name, _ in component.named_modules()]
+    exact: dict[str, str] = {}
+    for pattern, style in plan.items():
+        glob = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+        exact.update(dict.fromkeys((name for name in names if glob.fullmatch(name)), style))
+    component._tp_plan = exact
+
+
+def _build_on_meta(subfolder: Path, component_class: type, dtype: torch.dtype | None) -> nn.Module:
+    """The component built from its config with its parameters on the meta device.
+
+    A transformers model is built wholly on meta (its ``_init_weights`` recomputes buffers after loading). A diffusers
+    model gets only its parameters on meta, as diffusers' own loader does: its buffers and the plain tensors some
+    models compute at construction (e.g. rotary tables) are small and have no other source.
+    """
+    if issubclass(component_class, PreTrainedModel):
+        config = component_class.config_class.from_pretrained(subfolder)
+        with torch.device("meta"):
+            return component_class._from_config(config, dtype=dtype or torch.float32)
+    if not (hasattr(component_class, "load_config") and hasattr(component_class, "from_config")):
+        raise TypeError(
+            f"{subfolder.name} is a {component_class.__name__}, neither a transformers model nor a diffusers model "
+            "built from a config, so it cannot be loaded parallelized. Leave it out of components_to_load."
+        )
+    init_empty_weights = _require("accelerate").init_empty_weights
+    with init_empty_weights(include_buffers=False):
+        component = component_class.from_config(component_class.load_config(subfolder))
+    return component.to(dtype) if dtype is not None else component
+
+
+def _load_weights(component: nn.Module, plan: CheckpointPlan, device: torch.device) -> None:
+    """Allocate the local shards and read them; buffers a diffusers model computed at construction are kept."""
+    if isinstance(component, PreTrainedModel):
+        materialize(component, device)
+        load_checkpoint(component, plan, progress=False)
+        return
+    computed = {name: component.get_buffer(name).detach().clone() for name in non_persistent_buffer_names(component)}
+    materialize(component, device)
+    # Not `load_checkpoint`: it recomputes non-persistent buffers with transformers' `_init_weights`, which diffusers
+    # models do not have. With strict key checking nothing else is missing.
+    error = None
+    try:
+        with torch.no_grad():
+            for name, value in computed.items():
+                component.get_buffer(name).copy_(value)
+        load_into(component, plan.keys.sources, progress=False)
+    except (CheckpointError, RuntimeError, OSError) as exc:
+        error = exc
+    finally:
+        plan.files.close()
+    agree_or_raise(error, f"Reading the weights from {plan.directory}")
+
+
+def _device(mesh_context: MeshContext) -> torch.device:
+    if mesh_context.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
