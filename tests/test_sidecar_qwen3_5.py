@@ -49,6 +49,8 @@ def test_bf16_step_keeps_decay_and_norm_parameters_fp32(ranks4, checkpoint):
         assert result["finite"], result
         assert abs(result["loss"] - result["reference_loss"]) < 5e-2, result
         assert all(len(dtypes) == 1 for dtypes in result["unit_dtypes"].values()), result["unit_dtypes"]
+        # ... and they are computed in fp32 too (their unit's policy), not all-gathered in bf16.
+        assert result["computed_in"] == dict.fromkeys(["A_log", "dt_bias", "norm.weight"], "torch.float32"), result
 
 
 @pytest.mark.distributed

@@ -6,9 +6,11 @@ FSDP2 refuses a unit that mixes dtypes. The default units (one per decoder layer
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -37,11 +39,22 @@ def _shard_mixed_dtype_owners(layer: nn.Module, shard: Callable[..., nn.Module],
 
     ``fully_shard_by_dtype`` alone would shard the owner with its children in one (mixed) unit. The children form one
     group rather than a unit each because GatedDeltaNet reads ``conv1d.weight`` without calling ``conv1d``: the group
-    is gathered when its first member (the QKV projection, which runs before the convolution) runs.
+    is gathered when its first member (the QKV projection, which runs before the convolution) runs. An fp32 owner
+    (``A_log``, ``dt_bias``, the gated norm) also computes in fp32 under a bf16 mixed-precision policy: keeping them
+    fp32 is for the precision of the decay and the norm, which a bf16 all-gather would round away.
     """
     for owner, others in _mixed_dtype_owners(layer):
         shard(others, **kwargs)
-        shard(owner, **kwargs)
+        shard(owner, **{**kwargs, "mp_policy": _fp32_compute(kwargs.get("mp_policy"), owner)})
+
+
+def _fp32_compute(policy: MixedPrecisionPolicy | None, owner: nn.Module) -> MixedPrecisionPolicy | None:
+    """``policy`` with fp32 parameters for an owner whose own parameters are fp32; inputs are not cast (the unit sits
+    inside a bf16 layer and hands the activations back in their own dtype, as the model does without FSDP)."""
+    own = {param.dtype for param in owner.parameters(recurse=False)}
+    if policy is None or own != {torch.float32}:
+        return policy
+    return dataclasses.replace(policy, param_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def _standalone_units(model: nn.Module) -> list[nn.Module]:

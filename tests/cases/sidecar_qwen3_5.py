@@ -103,6 +103,13 @@ def bf16_step(checkpoint: str) -> dict[str, Any]:
     rows = batch.shape[0] // context.dp_size
     local = batch[context.mesh("dp").get_local_rank() * rows :][:rows]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    computed = {}
+    attention = next(module for name, module in model.named_modules() if name.endswith("linear_attn"))
+    attention.register_forward_pre_hook(
+        lambda module, args: computed.update(
+            {name: str(p.dtype) for name, p in module.named_parameters() if name in ("A_log", "dt_bias", "norm.weight")}
+        )
+    )
     loss = model(input_ids=local, labels=local).loss
     loss.backward()
     grads_finite = all(torch.isfinite(_full(p.grad)).all().item() for p in model.parameters())
@@ -119,6 +126,7 @@ def bf16_step(checkpoint: str) -> dict[str, Any]:
         "reference_loss": reference_loss.item(),
         "finite": math.isfinite(loss.item()) and math.isfinite(after.item()) and grads_finite,
         "unit_dtypes": _unit_dtypes(model),
+        "computed_in": computed,
     }
 
 
