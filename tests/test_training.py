@@ -10,6 +10,7 @@ from huggingface_hub import ModelCard
 from tests.cases.training import (
     CHAT_DATA,
     REPO,
+    grad_norm_matches_plain,
     save_tiny_chat_checkpoint,
     train,
     train_lora,
@@ -106,3 +107,26 @@ def test_sft_with_lora_trains_only_the_adapters_and_exports_them_merged(ranks2, 
         name.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight", "down_proj.weight"))
         for name in result["changed_weights"]
     ), result["changed_weights"]
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    [(4, {"strategy": "fsdp2", "tp_size": 2}), (4, {"strategy": "fsdp2", "dp_replicate_size": 2})],
+    ids=["fsdp2_x_tp2", "hsdp"],
+)
+def test_gradient_clipping_uses_the_global_norm_of_sharded_gradients(request, world, layout):
+    for result in request.getfixturevalue(f"ranks{world}").run(grad_norm_matches_plain, layout):
+        assert abs(result["norm"] - result["expected"]) <= 1e-5 * result["expected"], result
+        assert result["clipped"] <= 1e-6, result
+
+
+def test_bf16_mixed_precision_and_activation_checkpointing_from_the_config(ranks2, chat_checkpoint, tmp_path):
+    config = _config(tmp_path, chat_checkpoint)
+    full = ranks2.run(train, config, ["train.max_steps=10"])[0]["losses"]
+    # Checkpointed blocks recompute exactly what they computed: the same losses, bitwise.
+    assert (
+        ranks2.run(train, config, ["train.max_steps=10", "layout.activation_checkpointing=selective"])[0]["losses"]
+        == full
+    )
+    bf16 = ranks2.run(train, config, ["train.max_steps=10", "layout.mixed_precision=bf16"])[0]["losses"]
+    assert all(abs(a - b) < 0.05 for a, b in zip(bf16, full, strict=True)) and bf16 != full, (bf16, full)

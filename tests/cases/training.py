@@ -134,3 +134,32 @@ def train_lora(config_path: str, overrides: list[str]) -> dict[str, Any]:
         }
         facts["changed_weights"] = sorted(changed)
     return facts
+
+
+def grad_norm_matches_plain(layout: dict[str, Any]) -> dict[str, float]:
+    """``clip_grad_norm``'s global norm over sharded gradients (FSDP x TP meshes) vs the norm of the same gradients in
+    one plain process, and the clipped gradients vs the plainly clipped ones."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    from automodel.distributed import MeshContext, ModelParallelizer
+    from automodel.training.optim import clip_grad_norm
+    from tests.tiny_models import token_batch
+
+    context = MeshContext.build(**layout)
+    reference = build_model(tiny_config("llama"))
+    model = ModelParallelizer().parallelize(copy.deepcopy(reference), context)
+    batch = token_batch()
+    reference(input_ids=batch, labels=batch).loss.backward()
+    rows = batch.shape[0] // context.dp_size
+    local = batch[context.mesh("dp").get_local_rank() * rows :][:rows]
+    model(input_ids=local, labels=local).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    norm = clip_grad_norm(model.parameters(), 0.5)
+    ref_grads = dict(reference.named_parameters())
+    clipped = max(
+        ((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - ref_grads[n].grad).abs().max().item()
+        for n, p in model.named_parameters()
+    )
+    return {"norm": norm.item(), "expected": expected.item(), "clipped": clipped}
