@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from automodel.training.batches import DistributedBatchLoader
 from automodel.training.data import (
-    DistributedBatchLoader,
     Example,
     load_records,
     load_texts,

@@ -4,6 +4,7 @@ The export is what ``save_pretrained`` of the unsharded model would write (same 
 checkpoint conversion applied, tied weights once), built one full tensor at a time: every rank joins each
 ``DTensor.full_tensor()``, rank 0 keeps only the tensors of the shard file it is filling and writes that file as soon
 as it is complete. Everything is written into a temporary sibling directory that is renamed into place at the end.
+The model card and the hub upload live in ``model_card`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from huggingface_hub import HfApi, ModelCard, ModelCardData, split_torch_state_dict_into_shards
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -31,28 +30,13 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from .agreement import agree_or_raise
+from .model_card import ModelCardInfo, push_to_hub, write_model_card
 
 __all__ = ["ModelCardInfo", "push_to_hub", "save_hf_checkpoint", "write_model_card"]
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class ModelCardInfo:
-    """What the model card says about a trained model.
-
-    ``base_model``: the hub id or path training started from (a local path is named in the text, not the metadata,
-    which the hub checks against its repos). ``training_summary``: the training configuration worth reporting, e.g.
-    ``{"recipe": "sft", "steps": 30, "global_batch_size": 8, "lr": 1e-4, "layout": {...}}``.
-    """
-
-    base_model: str | None
-    training_summary: dict
-    tags: tuple[str, ...] = ()
-    license: str | None = None
-    datasets: tuple[str, ...] = ()
 
 
 @dataclass
@@ -130,53 +114,6 @@ def save_hf_checkpoint(
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def write_model_card(directory: str | os.PathLike, info: ModelCardInfo, *, model_id: str) -> Path:
-    """Write ``README.md`` into ``directory``: YAML metadata that ``huggingface_hub.ModelCard.load`` parses
-    (base_model, library_name, tags incl. "automodel", license, datasets, pipeline_tag, the training summary), a short
-    description with the training summary as a table, and usage snippets for plain transformers and for
-    ``NeMoAutoModelForCausalLM``. Returns the path of the card."""
-    if not isinstance(info, ModelCardInfo):
-        raise TypeError(f"info must be a ModelCardInfo, got {type(info).__name__}.")
-    summary = _plain(info.training_summary)
-    hub_base_model = info.base_model if info.base_model and _is_hub_id(info.base_model) else None
-    data = ModelCardData(
-        base_model=hub_base_model,
-        library_name="transformers",
-        pipeline_tag="text-generation",
-        license=info.license,
-        datasets=list(info.datasets) or None,
-        tags=list(dict.fromkeys(("automodel", *info.tags))),
-        training_config=summary,
-    )
-    content = f"---\n{data.to_yaml()}\n---\n\n{_card_body(info, summary, model_id)}"
-    path = Path(directory) / "README.md"
-    ModelCard(content).save(path)
-    return path
-
-
-def push_to_hub(
-    directory: str | os.PathLike,
-    repo_id: str,
-    *,
-    token: str | None = None,
-    private: bool = False,
-    commit_message: str = "Upload model trained with automodel",
-) -> str:
-    """Upload an export (``save_hf_checkpoint``'s directory) to the hub repo ``repo_id``, creating the repo if needed;
-    return the commit URL. Call it on one process (e.g. rank 0), after the export."""
-    folder = Path(directory)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{folder} has no config.json, so it is not an export: write it with save_hf_checkpoint first."
-        )
-    api = HfApi(token=token)
-    repo = api.create_repo(repo_id, exist_ok=True, private=private)
-    commit = api.upload_folder(
-        repo_id=getattr(repo, "repo_id", repo_id), folder_path=folder, commit_message=commit_message, repo_type="model"
-    )
-    return commit.commit_url
 
 
 def _transformers_model(model: nn.Module) -> PreTrainedModel:
@@ -363,60 +300,6 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor with a storage of its own (a conversion may return views of one larger tensor)."""
     tensor = tensor.detach().contiguous()
     return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
-
-
-def _is_hub_id(name: str) -> bool:
-    if os.path.isabs(name) or Path(name).exists():
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as plain YAML/JSON types (tuples to lists, anything else unknown to its string)."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def _card_body(info: ModelCardInfo, summary: dict, model_id: str) -> str:
-    start = f"starting from `{info.base_model}`" if info.base_model else "from scratch"
-    rows = "\n".join(f"| {key} | {_cell(value)} |" for key, value in summary.items())
-    return f"""# {Path(model_id).name or model_id}
-
-This model was trained with automodel {start}. It loads in plain transformers.
-
-## Training
-
-| Setting | Value |
-| --- | --- |
-{rows}
-
-## Usage
-
-With plain transformers:
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-tokenizer = AutoTokenizer.from_pretrained("{model_id}")
-model = AutoModelForCausalLM.from_pretrained("{model_id}")
-```
-
-Parallelized across the ranks of a `torchrun` job, each rank loading only its shards:
-
-```python
-from automodel import MeshContext, NeMoAutoModelForCausalLM
-
-model = NeMoAutoModelForCausalLM.from_pretrained("{model_id}", mesh_context=MeshContext.build("fsdp2"))
-```
-"""
-
-
-def _cell(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _is_rank_zero() -> bool:

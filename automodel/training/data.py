@@ -4,25 +4,19 @@ SFT records are chats (``{"messages": [{"role", "content"}, ...]}``) or prompt/c
 model's own chat template. The loss mask is computed here, not by the template: many templates (SmolLM2's among
 them) have no ``{% generation %}`` markers, so transformers cannot tell which tokens the assistant wrote.
 Pretraining texts are concatenated (each followed by EOS) and cut into fixed-length sequences.
-``DistributedBatchLoader`` shuffles per epoch from a seed, gives each data-parallel rank its slice of every global
-batch and resumes mid-epoch from a plain-int state.
+Batching is ``automodel.training.batches``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 __all__ = [
     "IGNORE_INDEX",
-    "DistributedBatchLoader",
     "Example",
     "load_records",
     "load_texts",
@@ -362,130 +356,6 @@ def tokenize_pretraining(texts: list[str], tokenizer: Any, seq_len: int) -> list
         raise ValueError(f"The texts hold {len(stream)} tokens, fewer than one sequence of seq_len={seq_len}")
     chunks = (stream[i * seq_len : (i + 1) * seq_len] for i in range(count))
     return [Example(chunk, list(chunk)) for chunk in chunks]
-
-
-# ---------------------------------------------------------------------------------------------------------- loader
-
-
-class DistributedBatchLoader:
-    """Deterministic batches, sharded over data-parallel ranks, resumable mid-epoch.
-
-    Each epoch shuffles the example indices with a ``torch.Generator`` seeded from ``(seed, epoch)``. Global batch
-    ``s`` of an epoch is the permutation's ``s``-th run of ``global_batch_size`` indices; it is cut into ``dp_size``
-    contiguous slices, rank ``dp_rank`` takes its slice and cuts it into micro batches of ``micro_batch_size`` (so
-    gradient accumulation steps = ``global_batch_size // (micro_batch_size * dp_size)``). The examples that do not
-    fill a last global batch of an epoch are dropped for that epoch (a fresh shuffle draws different ones next
-    epoch). Micro batches are right-padded to ``seq_len`` with ``pad_id`` / ``-100``.
-    """
-
-    def __init__(
-        self,
-        examples: list[Example],
-        *,
-        global_batch_size: int,
-        micro_batch_size: int,
-        dp_rank: int,
-        dp_size: int,
-        seq_len: int,
-        pad_id: int,
-        seed: int = 0,
-    ) -> None:
-        _check_positive(
-            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, dp_size=dp_size, seq_len=seq_len
-        )
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by micro_batch_size * dp_size = "
-                f"{micro_batch_size} * {dp_size}; pick a global batch that is a multiple of {micro_batch_size * dp_size}"
-            )
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
-        if len(examples) < global_batch_size:
-            raise ValueError(
-                f"{len(examples)} examples are fewer than one global batch of {global_batch_size}; add data or lower "
-                "global_batch_size"
-            )
-        for index, example in enumerate(examples):
-            if len(example.input_ids) > seq_len:
-                raise ValueError(f"Example {index} has {len(example.input_ids)} tokens > seq_len={seq_len}")
-        self._examples = examples
-        self._global_batch_size = global_batch_size
-        self._micro_batch_size = micro_batch_size
-        self._dp_rank, self._dp_size = dp_rank, dp_size
-        self._seq_len, self._pad_id, self._seed = seq_len, pad_id, seed
-        self._epoch, self._step = 0, 0
-        self._order: list[int] | None = None
-        dropped = len(examples) % global_batch_size
-        if dropped:
-            logger.warning(
-                "%d of %d examples do not fill a last global batch of %d and are skipped each epoch",
-                dropped,
-                len(examples),
-                global_batch_size,
-            )
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Global batches per epoch."""
-        return len(self._examples) // self._global_batch_size
-
-    @property
-    def grad_accumulation_steps(self) -> int:
-        """Micro batches per rank per global batch."""
-        return self._global_batch_size // (self._micro_batch_size * self._dp_size)
-
-    def next_global_batch(self) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro batches of the next global step, ``[{"input_ids", "labels"}]`` of LongTensor
-        ``[micro_batch_size, seq_len]``; wraps into the next epoch transparently."""
-        if self._step == self.steps_per_epoch:
-            self._epoch, self._step, self._order = self._epoch + 1, 0, None
-        if self._order is None:
-            self._order = _epoch_permutation(len(self._examples), self._seed, self._epoch)
-        rank_size = self._global_batch_size // self._dp_size
-        start = self._step * self._global_batch_size + self._dp_rank * rank_size
-        indices = self._order[start : start + rank_size]
-        self._step += 1
-        micro = self._micro_batch_size
-        return [self._collate(indices[i : i + micro]) for i in range(0, rank_size, micro)]
-
-    def state_dict(self) -> dict:
-        """Where the loader stands: plain ints (epoch, step within it, seed, and the sizes it must resume with)."""
-        return {
-            "epoch": self._epoch,
-            "step": self._step,
-            "seed": self._seed,
-            "num_examples": len(self._examples),
-            "global_batch_size": self._global_batch_size,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (the run's seed included); the data and global batch size must be the same."""
-        for key in ("num_examples", "global_batch_size"):
-            if key in state and state[key] != self.state_dict()[key]:
-                raise ValueError(
-                    f"Cannot resume: the checkpoint's loader had {key}={state[key]}, this one has "
-                    f"{self.state_dict()[key]}; resume with the same data and global_batch_size"
-                )
-        if not 0 <= state["step"] <= self.steps_per_epoch:
-            raise ValueError(f"Loader state step={state['step']} is outside [0, {self.steps_per_epoch}]")
-        self._epoch, self._step, self._seed = int(state["epoch"]), int(state["step"]), int(state["seed"])
-        self._order = None
-
-    def _collate(self, indices: Iterable[int]) -> dict[str, torch.Tensor]:
-        examples = [self._examples[index] for index in indices]
-        input_ids = torch.full((len(examples), self._seq_len), self._pad_id, dtype=torch.long)
-        labels = torch.full((len(examples), self._seq_len), IGNORE_INDEX, dtype=torch.long)
-        for row, example in enumerate(examples):
-            input_ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids, dtype=torch.long)
-            labels[row, : len(example.labels)] = torch.tensor(example.labels, dtype=torch.long)
-        return {"input_ids": input_ids, "labels": labels}
-
-
-def _epoch_permutation(size: int, seed: int, epoch: int) -> list[int]:
-    """The same permutation on every rank and every run for ``(seed, epoch)``."""
-    digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.randperm(size, generator=generator).tolist()
 
 
 def _check_positive(**values: int) -> None:

@@ -19,9 +19,10 @@ from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import FSDP2Config, MeshContext
 from automodel.distributed.context_parallel import shard_batch_for_context_parallel
 
+from .batches import DistributedBatchLoader
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import RecipeConfig
-from .data import DistributedBatchLoader, load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
+from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .optim import clip_grad_norm, make_optimizer, make_scheduler
 
 __all__ = ["TrainResult", "build_mesh_context", "run", "train_step"]
