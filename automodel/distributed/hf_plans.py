@@ -8,12 +8,17 @@ use both as they are. What transformers does not have yet is sequence parallelis
 
 from __future__ import annotations
 
+import weakref
+
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _get_parameter_plan
 from transformers.distributed.tensor_parallel import (
+    ReplicatedWithGradAllReduce,
     RowwiseParallel,
     SequenceParallel,
     TensorParallelLayer,
@@ -102,10 +107,46 @@ def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def style_named(name: str) -> TensorParallelLayer:
-    """The transformers style object registered under ``name``."""
+    """The transformers style object registered under ``name`` (``replicated_with_grad_allreduce``: our variant that
+    reduces a shared parameter's gradient once)."""
     if name not in ALL_PARALLEL_STYLES:
         raise ValueError(f"Unknown tensor-parallel style {name!r}; transformers knows {sorted(ALL_PARALLEL_STYLES)}.")
+    if name == "replicated_with_grad_allreduce":
+        return _REPLICATED_WITH_GRAD_ALLREDUCE_ONCE
     return ALL_PARALLEL_STYLES[name]
+
+
+class ReplicatedWithGradAllReduceOnce(ReplicatedWithGradAllReduce):
+    """transformers' ``replicated_with_grad_allreduce`` (a replicated parameter whose gradient is summed over TP),
+    with each parameter's gradient reduced once even when several modules share it.
+
+    transformers records the hooks it registered per module, so a parameter two modules share (tied encoder / decoder
+    layers) gets one all-reduce hook per module, and its gradient is summed over the TP ranks twice.
+    """
+
+    _hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        original_forward = module.forward
+        hooked = ReplicatedWithGradAllReduceOnce._hooked
+
+        def all_reduce_grad(param: torch.Tensor) -> None:
+            dist.all_reduce(param.grad, group=mesh.get_group())
+
+        def tp_forward(*args, **kwargs):
+            # Parameters are replaced by the loaded weights after setup, so hooks are attached at the first forward.
+            if torch.is_grad_enabled():
+                for param in module.parameters(recurse=False):
+                    if param.requires_grad and hooked.get(id(param)) is not param:
+                        param.register_post_accumulate_grad_hook(all_reduce_grad)
+                        hooked[id(param)] = param
+            return original_forward(*args, **kwargs)
+
+        module.forward = tp_forward
+        return module
+
+
+_REPLICATED_WITH_GRAD_ALLREDUCE_ONCE = ReplicatedWithGradAllReduceOnce()
 
 
 class SequenceParallelRowwise(RowwiseParallel):

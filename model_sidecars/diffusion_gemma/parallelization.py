@@ -49,8 +49,7 @@ class DiffusionGemmaParallelizer(ModelParallelizer):
         "model.encoder.language_model.embed_tokens": "embedding_rowwise",
         "model.decoder.embed_tokens": "embedding_rowwise",
         **{f"model.encoder.language_model.layers.*.{name}": style for name, style in _LAYER_TP_PLAN.items()},
-        # Not the norms again: their gradient all-reduce is a hook on the (shared) parameter, registered once above.
-        **{f"model.decoder.layers.*.{name}": style for name, style in _LAYER_TP_PLAN.items() if "norm" not in name},
+        **{f"model.decoder.layers.*.{name}": style for name, style in _LAYER_TP_PLAN.items()},
     }
 
     def _apply_fsdp_sharding(
