@@ -85,5 +85,5 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    saved = torch.load(path / _TRAINER_STATE, weights_only=False)
+    saved = torch.load(path / _TRAINER_STATE, weights_only=True)
     return TrainerState(**saved)
