@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from automodel.distributed import FSDP2Config, MeshContext
 from automodel.loading.initialization import local_view
 from automodel.loading.placements import local_indices
-from automodel.loading.sources import InMemoryTensor, Source
+from automodel.loading.sources import InMemoryTensor, Source, select
 
 __all__ = ["add_lora", "merge_lora", "require_peft"]
 
@@ -101,9 +101,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
             delta = delta * module.scaling[adapter]
             if getattr(module, "fan_in_fan_out", False):
                 delta = delta.T
-            rows, cols = local_indices(base.weight)
             local = local_view(base.weight)
-            local.add_(delta.index_select(0, rows).index_select(1, cols).to(local.dtype))
+            local.add_(select(delta, local_indices(base.weight)).to(local.dtype))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, base)
     return model

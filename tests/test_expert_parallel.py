@@ -31,9 +31,9 @@ def _assert_parity(results: list[dict]) -> None:
 def test_expert_parallel_matches_one_process(request, world, layout, architecture):
     results = request.getfixturevalue(f"ranks{world}").run(ep_parity, layout, architecture)
     _assert_parity(results)
-    # 4 experts: whole experts per EP rank, then FSDP over ep_shard.
+    # 4 experts: whole experts per EP rank (4 / ep), then FSDP over ep_shard (world / ep): one local expert each.
     ep, ep_shard = layout["ep_size"], world // layout["ep_size"]
-    assert results[0]["expert_local_experts"] == 4 // ep // ep_shard or ep_shard > 4 // ep
+    assert results[0]["expert_local_experts"] == 4 // ep // ep_shard == 1
 
 
 @pytest.mark.parametrize("layout", [{"ep_size": 4}, {"ep_size": 2, "tp_size": 2}], ids=["ep4", "ep2_x_tp2"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from automodel.auto_model import NeMoAutoModelForCausalLM
 from model_sidecars.qwen3_5.model import Qwen3_5ForCausalLM
 from model_sidecars.qwen3_5.parallelization import PARALLELIZER
 from tests.cases import sidecar_qwen3_5 as cases
@@ -74,7 +75,7 @@ def test_bf16_loading_keeps_fp32_parameters_where_transformers_does_not(checkpoi
 
     assert fp32(Qwen3_5ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)) == cases.FP32_PARAMETERS
     assert fp32(transformers.Qwen3_5ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)) == []
-    # Built on the meta device, as the parallel loader does.
-    with torch.device("meta"):
-        meta = Qwen3_5ForCausalLM._from_config(cases.tiny_config(), dtype=torch.bfloat16)
-    assert fp32(meta) == cases.FP32_PARAMETERS
+    # Built on the meta device by the parallel loader (construction alone does not apply the keep-in-fp32 list).
+    config = cases.tiny_config(architectures=["Qwen3_5ForCausalLM"])
+    meta = NeMoAutoModelForCausalLM._build_on_meta(config, torch.bfloat16, None, False)
+    assert type(meta) is Qwen3_5ForCausalLM and fp32(meta) == cases.FP32_PARAMETERS

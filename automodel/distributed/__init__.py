@@ -7,7 +7,7 @@ a sidecar, the loader or the training code.
 
 from .activation_checkpointing import checkpoint_module
 from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig, MoEConfig
-from .fsdp import fully_shard_by_dtype, fully_shard_default
+from .fsdp import fully_shard_by_dtype, fully_shard_default, shard_default_units
 from .mesh import MeshContext
 from .model_structure import decoder_layers
 from .parallelizer import ModelParallelizer
@@ -23,4 +23,5 @@ __all__ = [
     "decoder_layers",
     "fully_shard_by_dtype",
     "fully_shard_default",
+    "shard_default_units",
 ]

@@ -14,7 +14,13 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .hf_plans import EXPERT_DISPATCH_STYLE, expand_plan, install_expert_parallel, model_ep_plan
+from .hf_plans import (
+    EXPERT_DISPATCH_STYLE,
+    expand_plan,
+    install_expert_parallel,
+    model_ep_plan,
+    replace_layer_number_by_wildcard,
+)
 
 __all__ = ["apply_expert_parallel", "drop_expert_rules", "expert_module_names", "shard_experts", "validate_experts"]
 
@@ -58,17 +64,12 @@ def drop_expert_rules(plan: dict[str, Any], expert_names: list[str]) -> dict[str
 
     ``plan`` may use ``*`` wildcards; a rule is dropped when it names an experts module or anything inside one.
     """
-    patterns = {_wildcard(name) for name in expert_names}
+    patterns = {replace_layer_number_by_wildcard(name) for name in expert_names}
     return {
         key: style
         for key, style in plan.items()
         if not any(key == pattern or key.startswith(pattern + ".") for pattern in patterns)
     }
-
-
-def _wildcard(name: str) -> str:
-    """``model.layers.3.mlp.experts`` -> ``model.layers.*.mlp.experts`` (TP plans name layers with ``*``)."""
-    return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list[nn.Module]:

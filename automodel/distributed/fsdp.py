@@ -14,7 +14,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from .hf_plans import model_fsdp_plan, module_style
 from .model_structure import decoder_layers, input_embeddings, output_embeddings, tied_parameter_names
 
-__all__ = ["default_fsdp_units", "fsdp_mesh", "fully_shard_by_dtype", "fully_shard_default"]
+__all__ = [
+    "default_fsdp_units",
+    "fsdp_mesh",
+    "fully_shard_by_dtype",
+    "fully_shard_default",
+    "shard_default_units",
+]
 
 ShardFn = Callable[..., nn.Module]
 
@@ -61,6 +67,26 @@ def default_fsdp_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
     units = [m for m in units if not holds_tied(m)]
     units.sort(key=lambda module: -names[module].count("."))
     return [(module, module_style(names[module], plan) == "keep_full_weight") for module in units]
+
+
+def shard_default_units(
+    model: nn.Module,
+    shard: Callable[..., nn.Module],
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool | None,
+    **options,
+) -> nn.Module:
+    """Shard the default FSDP units (``default_fsdp_units``) with the primitive ``shard``, then the root.
+
+    A sidecar that only changes how each unit is sharded (e.g. dtype-uniform groups) passes its own primitive here
+    and keeps the shared unit boundaries.
+    """
+    for unit, keep_full_weight in default_fsdp_units(model):
+        reshard = False if keep_full_weight else reshard_after_forward
+        shard(unit, mesh=mesh, reshard_after_forward=reshard, **options)
+    # The root's parameters (tied embeddings, final norm) are needed again right after forward for backward.
+    return shard(model, mesh=mesh, reshard_after_forward=False, **options)
 
 
 def fully_shard_by_dtype(module: nn.Module, shard: ShardFn = fully_shard_default, **kwargs: Any) -> nn.Module:

@@ -16,7 +16,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from transformers.distributed.expert_parallel import apply_expert_parallelism
-from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _get_parameter_plan
+from transformers.distributed.parallel_utils import (
+    ALL_PARALLEL_STYLES,
+    _get_parameter_plan,
+    replace_layer_number_by_wildcard,
+)
 from transformers.distributed.tensor_parallel import (
     ReplicatedWithGradAllReduce,
     RowwiseParallel,
@@ -35,6 +39,7 @@ __all__ = [
     "model_fsdp_plan",
     "model_tp_plan",
     "module_style",
+    "replace_layer_number_by_wildcard",
     "style_named",
 ]
 

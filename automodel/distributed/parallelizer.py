@@ -27,7 +27,7 @@ from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
 from .expert_parallel import apply_expert_parallel, drop_expert_rules, shard_experts, validate_experts
-from .fsdp import default_fsdp_units, fsdp_mesh, fully_shard_default
+from .fsdp import fsdp_mesh, fully_shard_default, shard_default_units
 from .megatron_fsdp import apply_megatron_fsdp, require_megatron_fsdp
 from .mesh import MeshContext
 from .tensor_parallel import apply_tensor_parallel, resolve_tp_plan, validate_attention_heads
@@ -130,7 +130,7 @@ class ModelParallelizer:
         Default units: decoder layers (``_no_split_modules``), the model's transformers FSDP plan, and untied input
         embeddings and output head. Override for other boundaries (e.g. dtype-uniform groups).
         """
-        return _shard_default_units(
+        return shard_default_units(
             model,
             self._fully_shard_module,
             mesh=mesh,
@@ -206,22 +206,6 @@ def _dense_apply_arguments(parallelizer: ModelParallelizer, context: MeshContext
     }
 
 
-def _shard_default_units(
-    model: nn.Module,
-    shard: Callable[..., nn.Module],
-    *,
-    mesh: DeviceMesh,
-    reshard_after_forward: bool | None,
-    **options,
-) -> nn.Module:
-    """Shard the default FSDP units (``default_fsdp_units``) with ``shard``, then the root."""
-    for unit, keep_full_weight in default_fsdp_units(model):
-        reshard = False if keep_full_weight else reshard_after_forward
-        shard(unit, mesh=mesh, reshard_after_forward=reshard, **options)
-    # The root's parameters (tied embeddings, final norm) are needed again right after forward for backward.
-    return shard(model, mesh=mesh, reshard_after_forward=False, **options)
-
-
 def _parallelize_moe(parallelizer: ModelParallelizer, model: nn.Module, context: MeshContext) -> nn.Module:
     """The unified MoE path: TP on the dense modules -> EP on the routed experts -> CP -> activation checkpointing ->
     trainability -> FSDP (experts over ``ep_shard``, then the dense units over ``dp_shard_cp``) -> root.
@@ -259,5 +243,5 @@ def _parallelize_moe(parallelizer: ModelParallelizer, model: nn.Module, context:
     )
     mesh = fsdp_mesh(context.device_mesh, "dp_replicate", "dp_shard_cp")
     if mesh.size() > 1:
-        _shard_default_units(model, shard, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward, **options)
+        shard_default_units(model, shard, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward, **options)
     return model

@@ -196,7 +196,7 @@ def run(config: RecipeConfig) -> TrainResult:
         result.losses.append(loss.item())
         tokens = train.global_batch_size * train.seq_len
         _log(step + 1, result.losses[-1], lr, norm.item(), tokens / seconds, seconds, bar, writer, train.log_every)
-        if _should_save(config, step + 1) or (step + 1 == last and config.checkpoint.dir is not None):
+        if _should_save(config, step + 1, last):
             state = TrainerState(
                 step + 1, scheduler.state_dict(), loader.state_dict(), torch.get_rng_state(), result.losses
             )
@@ -209,11 +209,12 @@ def run(config: RecipeConfig) -> TrainResult:
     return result
 
 
-def _should_save(config: RecipeConfig, step: int) -> bool:
+def _should_save(config: RecipeConfig, step: int, last: int) -> bool:
+    """Checkpoint every ``checkpoint.every_steps`` and at this run's last step (``max_steps`` or an early stop)."""
     every, directory = config.checkpoint.every_steps, config.checkpoint.dir
     if directory is None:
         return False
-    return step == config.train.max_steps or (every > 0 and step % every == 0)
+    return step == last or (every > 0 and step % every == 0)
 
 
 def _log(step, loss, lr, norm, tokens_per_s, seconds, bar, writer, every) -> None:

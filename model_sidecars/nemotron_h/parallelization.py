@@ -7,6 +7,7 @@ FSDP unit per decoder block and dtype.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from automodel.distributed import ModelParallelizer, checkpoint_module, fully_shard_by_dtype
+from automodel.distributed import ModelParallelizer, checkpoint_module, fully_shard_by_dtype, shard_default_units
 
 __all__ = ["PARALLELIZER"]
 
@@ -142,14 +143,6 @@ def _checkpoint_mixers(model: nn.Module, mode: bool | str, replay_routing: bool)
     return mixers
 
 
-def _standalone_units(model: nn.Module) -> list[nn.Module]:
-    """The input embeddings and output head, unless tied (a tied weight stays one parameter in the root unit)."""
-    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embeddings is not None and head is not None and embeddings.weight is head.weight:
-        return []
-    return [module for module in (embeddings, head) if module is not None]
-
-
 class NemotronHModelParallelizer(ModelParallelizer):
     """Apply Nemotron-H's specialized TP, CP, AC, and FSDP policy.
 
@@ -208,16 +201,17 @@ class NemotronHModelParallelizer(ModelParallelizer):
         offload_policy: OffloadPolicy | None = None,
         reshard_after_forward: bool | None = None,
     ) -> nn.Module:
-        """One FSDP unit per decoder block and dtype, then the embeddings, the head and the root."""
-        options = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
-        for block in _decoder_blocks(model)[1]:
-            fully_shard_by_dtype(
-                block, self._fully_shard_module, reshard_after_forward=reshard_after_forward, **options
-            )
-        for unit in _standalone_units(model):
-            fully_shard_by_dtype(unit, self._fully_shard_module, reshard_after_forward=reshard_after_forward, **options)
-        # The root's parameters (final norm) are needed again right after forward for backward.
-        return fully_shard_by_dtype(model, self._fully_shard_module, reshard_after_forward=False, **options)
+        """One FSDP unit per decoder block and dtype, then the embeddings, the head and the root (the shared unit
+        boundaries, each split by dtype)."""
+        shard = functools.partial(fully_shard_by_dtype, shard=self._fully_shard_module)
+        return shard_default_units(
+            model,
+            shard,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
 
 
 PARALLELIZER = NemotronHModelParallelizer()

@@ -7,15 +7,16 @@ FSDP2 refuses a unit that mixes dtypes. The default units (one per decoder layer
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from automodel.distributed import ModelParallelizer, decoder_layers, fully_shard_by_dtype
+from automodel.distributed import ModelParallelizer, fully_shard_by_dtype, shard_default_units
 
 __all__ = ["PARALLELIZER"]
 
@@ -24,9 +25,16 @@ def _mixed_dtype_owners(layer: nn.Module) -> list[tuple[nn.Module, list[nn.Modul
     """Submodules of ``layer`` that own parameters of one dtype directly while some children hold another, each with
     those children (GatedDeltaNet: fp32 ``A_log`` / ``dt_bias`` directly, bf16 projections and conv below)."""
     owners = []
+    # Modules already inside an FSDP unit (the layers' groups, when the root is sharded) are done.
+    sharded = {
+        id(inner)
+        for sub in layer.modules()
+        if sub is not layer and isinstance(sub, FSDPModule)
+        for inner in sub.modules()
+    }
     for module in layer.modules():
         own = {param.dtype for param in module.parameters(recurse=False)}
-        if module is layer or len(own) != 1:
+        if module is layer or id(module) in sharded or len(own) != 1:
             continue
         others = [child for child in module.children() if any(p.dtype not in own for p in child.parameters())]
         if others:
@@ -57,21 +65,6 @@ def _fp32_compute(policy: MixedPrecisionPolicy | None, owner: nn.Module) -> Mixe
     return dataclasses.replace(policy, param_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def _standalone_units(model: nn.Module) -> list[nn.Module]:
-    """The input embeddings and output head, unless tied (a tied weight stays one parameter in the root unit)."""
-    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embeddings is not None and head is not None and embeddings.weight is head.weight:
-        return []
-    return [module for module in (embeddings, head) if module is not None]
-
-
-def _keeps_full_weight(model: nn.Module, unit: nn.Module) -> bool:
-    """Whether the model's transformers FSDP plan keeps ``unit``'s full weight after forward (``lm_head``)."""
-    plan = getattr(model, "fsdp_plan", None) or {}
-    name = next(name for name, module in model.named_modules() if module is unit)
-    return plan.get(name) == "keep_full_weight"
-
-
 class Qwen3_5ModelParallelizer(ModelParallelizer):
     """Qwen3.5's parallelization: the shared flow with dtype-uniform FSDP units."""
 
@@ -84,20 +77,21 @@ class Qwen3_5ModelParallelizer(ModelParallelizer):
         offload_policy: OffloadPolicy | None = None,
         reshard_after_forward: bool | None = None,
     ) -> nn.Module:
-        """One FSDP unit per dtype group of every decoder layer, then the embeddings, the head and the root."""
-        options = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
-        for layer in decoder_layers(model):
-            _shard_mixed_dtype_owners(
-                layer, self._fully_shard_module, reshard_after_forward=reshard_after_forward, **options
-            )
-            fully_shard_by_dtype(
-                layer, self._fully_shard_module, reshard_after_forward=reshard_after_forward, **options
-            )
-        for unit in _standalone_units(model):
-            reshard = False if _keeps_full_weight(model, unit) else reshard_after_forward
-            fully_shard_by_dtype(unit, self._fully_shard_module, reshard_after_forward=reshard, **options)
-        # The root's parameters (final norm) are needed again right after forward for backward.
-        return fully_shard_by_dtype(model, self._fully_shard_module, reshard_after_forward=False, **options)
+        """The shared unit boundaries (decoder layers, embeddings, head, root), each split into dtype groups."""
+        return shard_default_units(
+            model,
+            functools.partial(_shard_by_dtype, shard=self._fully_shard_module),
+            mesh=mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+
+
+def _shard_by_dtype(unit: nn.Module, *, shard: Callable[..., nn.Module], **kwargs: Any) -> nn.Module:
+    """Mixed-dtype owners inside ``unit`` first (GatedDeltaNet in a decoder layer), then ``fully_shard_by_dtype``."""
+    _shard_mixed_dtype_owners(unit, shard, **kwargs)
+    return fully_shard_by_dtype(unit, shard, **kwargs)
 
 
 PARALLELIZER = Qwen3_5ModelParallelizer()

@@ -11,6 +11,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from automodel import MeshContext, NeMoAutoModelForCausalLM
+from automodel.loading.placements import local_indices
+from automodel.loading.sources import select
 from automodel.lora import merge_lora
 from tests.tiny_models import token_batch
 
@@ -38,7 +40,7 @@ def lora_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
             full = _full(param)
             if "lora_B" in name:
                 full = torch.randn(full.shape, generator=generator) * 0.1
-                _local(param).copy_(_shard_of(full, param))
+                _local(param).copy_(select(full, local_indices(param)))
             ref_params[name].copy_(full)
     rows = batch.shape[0] // context.dp_size
     mine = batch[context.mesh("dp").get_local_rank() * rows :][:rows]
@@ -74,15 +76,6 @@ def lora_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
-
-
-def _shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    from automodel.loading.placements import local_indices
-
-    index = local_indices(param)
-    for dim, positions in enumerate(index):
-        full = full.index_select(dim, positions)
-    return full
 
 
 def lora_layout_error(checkpoint: str, layout: dict[str, Any]) -> str:
