@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from automodel.distributed import FSDP2Config, MeshContext
+from automodel.distributed.runtime import full_tensor
 from automodel.loading.initialization import local_view
 from automodel.loading.placements import local_indices
 from automodel.loading.sources import InMemoryTensor, Source, select
@@ -83,10 +83,6 @@ def add_lora(
     return renamed
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every LoRA adapter into its (possibly sharded) base weight and put the base layer back in its place, so
@@ -97,7 +93,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for name, module in layers:
         base = module.base_layer
         for adapter in module.active_adapters:
-            delta = _full(module.lora_B[adapter].weight).float() @ _full(module.lora_A[adapter].weight).float()
+            delta = (
+                full_tensor(module.lora_B[adapter].weight).float() @ full_tensor(module.lora_A[adapter].weight).float()
+            )
             delta = delta * module.scaling[adapter]
             if getattr(module, "fan_in_fan_out", False):
                 delta = delta.T

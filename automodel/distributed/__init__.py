@@ -9,7 +9,7 @@ from .activation_checkpointing import checkpoint_module
 from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig, MoEConfig
 from .fsdp import fully_shard_by_dtype, fully_shard_default, shard_default_units
 from .mesh import MeshContext
-from .model_structure import decoder_layers
+from .model_structure import decoder_layers, tied_module_groups
 from .parallelizer import ModelParallelizer
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "fully_shard_by_dtype",
     "fully_shard_default",
     "shard_default_units",
+    "tied_module_groups",
 ]

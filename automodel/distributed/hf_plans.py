@@ -15,13 +15,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
-from transformers.distributed.expert_parallel import apply_expert_parallelism
+from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
 from transformers.distributed.parallel_utils import (
     ALL_PARALLEL_STYLES,
     _get_parameter_plan,
     replace_layer_number_by_wildcard,
 )
 from transformers.distributed.tensor_parallel import (
+    MlaKvAProjParallel,
     ReplicatedWithGradAllReduce,
     RowwiseParallel,
     SequenceParallel,
@@ -30,11 +31,14 @@ from transformers.distributed.tensor_parallel import (
 
 __all__ = [
     "EXPERT_DISPATCH_STYLE",
+    "EXPERT_STYLES",
     "SequenceParallelNorm",
     "SequenceParallelRowwise",
     "TensorParallelLayer",
     "expand_plan",
     "install_expert_parallel",
+    "install_module_style",
+    "matchable_plan_keys",
     "model_ep_plan",
     "model_fsdp_plan",
     "model_tp_plan",
@@ -59,17 +63,64 @@ def model_ep_plan(model: nn.Module) -> dict[str, str]:
 
 #: The EP plan style of a routed-experts module whose tokens are dispatched to the experts' owners.
 EXPERT_DISPATCH_STYLE = "ep_dispatch_experts"
+#: The EP plan styles that place routed experts: their weights split whole-expert (``grouped_gemm``) and the module
+#: that dispatches tokens to them. Other entries of a model's ``ep_plan`` (some shard dense MLPs over the EP mesh, for
+#: transformers' own EP, where the EP group holds one batch) are not expert placements: TP and FSDP own those modules.
+EXPERT_STYLES = frozenset({"grouped_gemm", EXPERT_DISPATCH_STYLE})
+# Importing transformers' EP module registers these styles in ALL_PARALLEL_STYLES.
+assert isinstance(ALL_PARALLEL_STYLES[EXPERT_DISPATCH_STYLE], EpDispatchExpertsParallel)
 
 
 def install_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
     """Shard the plan's expert weights over ``ep_mesh`` (``Shard(0)``: whole experts per rank) and route each
     experts module's tokens to their owners with transformers' all-to-all dispatcher.
 
-    ``plan`` is expanded (no wildcards). The dispatcher handles uneven and empty token counts (an experts module that
-    receives no rows still runs backward, so FSDP's reduction and the reverse all-to-all take place on every rank);
-    ``tp_mesh`` is the group holding one batch, whose ranks each dispatch a disjoint slice of it.
+    ``plan`` is expanded (no wildcards) and names every alias of a shared parameter and every module sharing its
+    experts' parameters (twin layers), so that each gets the placement and the dispatch; the caller re-ties the
+    aliases afterwards. This is transformers' ``apply_expert_parallelism`` loop, which looks parameters up without
+    their aliases. The dispatcher handles uneven and empty token counts (an experts module that receives no rows
+    still runs backward, so FSDP's reduction and the reverse all-to-all take place on every rank); ``tp_mesh`` is the
+    group holding one batch, whose ranks each dispatch a disjoint slice of it.
     """
-    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
+    modules = dict(model.named_modules())
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    for name, style_name in plan.items():
+        style = ALL_PARALLEL_STYLES[style_name]
+        if name in parameters:
+            module_name, _, param_name = name.rpartition(".")
+            style.validate_param(modules[module_name], param_name, ep_mesh, parameter_name=name)
+            style.shard_param(modules[module_name], param_name, ep_mesh)
+        elif style_name == EXPERT_DISPATCH_STYLE:
+            style.install_forward(modules[name], ep_mesh=ep_mesh, tp_mesh=tp_mesh, ep_implementation="all_to_all")
+        else:
+            style.install_forward(modules[name], ep_mesh)
+
+
+def install_module_style(model: nn.Module, module: nn.Module, style: TensorParallelLayer, mesh: DeviceMesh) -> None:
+    """Install a TP style's forward transforms on ``module``, as transformers' ``apply_tensor_parallelism`` does.
+
+    transformers' MLA style (``mla_kv_a_proj``) reads the text config from the module it is installed on, which
+    transformers' own TP sets first; so does this.
+    """
+    if isinstance(style, MlaKvAProjParallel):
+        config = getattr(model, "config", None)
+        module.config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    style.install_forward(module, mesh)
+
+
+def matchable_plan_keys(model: nn.Module) -> set[str]:
+    """Every plan key that addresses something in ``model``: each parameter and module name, exactly and with its
+    layer numbers as ``*``, and each parameter's module (a plan entry on a module covers its weights)."""
+    keys: set[str] = set()
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        module_name = name.rpartition(".")[0]
+        keys.update((name, replace_layer_number_by_wildcard(name)))
+        if module_name:
+            keys.update((module_name, replace_layer_number_by_wildcard(module_name)))
+    for name, _ in model.named_modules():
+        if name:
+            keys.update((name, replace_layer_number_by_wildcard(name)))
+    return keys
 
 
 def model_fsdp_plan(model: nn.Module) -> dict[str, str]:

@@ -86,6 +86,12 @@ def _validate_layout(
                 f"The DDP strategy replicates the whole model on every rank, so {names} cannot apply: DDP uses all "
                 f"{world_size} ranks for data parallelism. Use strategy='fsdp2' for HSDP, TP, CP or EP."
             )
+    if isinstance(strategy, MegatronFSDPConfig) and (cp_size > 1 or ep_size > 1):
+        bad = ", ".join(f"{name}={size}" for name, size in (("cp_size", cp_size), ("ep_size", ep_size)) if size > 1)
+        raise ValueError(
+            f"strategy='megatron_fsdp' with {bad} is not supported: context and expert parallelism run with "
+            "strategy='fsdp2' (the unified MoE path shards experts with FSDP2)."
+        )
     if isinstance(strategy, MegatronFSDPConfig) and not torch.cuda.is_available():
         raise RuntimeError(
             "strategy='megatron_fsdp' needs CUDA GPUs, and torch.cuda.is_available() is False on this machine. "

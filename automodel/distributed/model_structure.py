@@ -1,35 +1,109 @@
-"""Generic questions about a model's structure, answered from what transformers models declare.
+"""Generic questions about a model's structure, answered from what transformers models declare or, failing that,
+from the shape of the module tree.
 
 Nothing here names an architecture: decoder layers are the modules whose class is in ``_no_split_modules`` (what
-transformers itself uses as the unit that must not be split across devices), embeddings come from
-``get_input_embeddings`` / ``get_output_embeddings``, and tied parameters are found by identity.
+transformers itself uses as the unit that must not be split across devices) or, for models that declare none, the
+repeated blocks of the module tree; embeddings come from ``get_input_embeddings`` / ``get_output_embeddings``, and
+tied parameters are found by identity.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
+
 from torch import nn
 
-__all__ = ["decoder_layers", "input_embeddings", "output_embeddings", "retie_parameters", "tied_parameter_names"]
+from .runtime import log_rank_zero
+
+__all__ = [
+    "decoder_layers",
+    "input_embeddings",
+    "output_embeddings",
+    "repeated_blocks",
+    "retie_parameters",
+    "tied_module_groups",
+    "tied_parameter_names",
+]
+
+logger = logging.getLogger(__name__)
+
+# Models whose fallback block choice has been logged already (decoder_layers is asked once per step).
+_REPORTED: weakref.WeakSet = weakref.WeakSet()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks, in forward order: modules whose class name is in ``_no_split_modules``.
+    """The model's repeated blocks, in module order: the units of FSDP and activation checkpointing.
 
-    Raises a ``ValueError`` naming the class when the model declares none (a sidecar can then override the FSDP and
-    activation-checkpointing hooks).
+    The modules whose class name is in ``_no_split_modules``; for a model that declares none (or none of whose
+    declared classes occur in it), the members of its ``ModuleList`` s of one block class (:func:`repeated_blocks`),
+    logged once. Raises a ``ValueError`` naming the class only when neither exists.
     """
+    declared = _declared_blocks(model)
+    if declared:
+        return declared
+    blocks = repeated_blocks(model)
+    if not blocks:
+        names = sorted(getattr(model, "_no_split_modules", None) or ())
+        raise ValueError(
+            f"{type(model).__name__} declares no decoder layer classes in `_no_split_modules` ({names or 'empty'}) "
+            "and has no repeated blocks (an nn.ModuleList of modules of one class that hold parameters), so the "
+            "shared FSDP / activation-checkpointing traversal cannot find its blocks. Set `_no_split_modules` on the "
+            "model class, or override `_apply_fsdp_sharding` in a sidecar."
+        )
+    if model not in _REPORTED:
+        _REPORTED.add(model)
+        log_rank_zero(
+            logger,
+            "%s declares no `_no_split_modules` blocks; using the repeated blocks of its module tree: %s",
+            type(model).__name__,
+            _describe_blocks(model, blocks),
+        )
+    return blocks
+
+
+def _declared_blocks(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [module for module in model.modules() if module is not model and type(module).__name__ in names]
-    # A block class may nest (e.g. an encoder layer inside a decoder layer of the same family): keep the outermost.
-    nested = {id(inner) for layer in layers for inner in layer.modules() if inner is not layer}
-    layers = [layer for layer in layers if id(layer) not in nested]
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} declares no decoder layer classes in `_no_split_modules` "
-            f"({sorted(names) or 'empty'}), so the shared FSDP / activation-checkpointing traversal cannot find its "
-            "blocks. Set `_no_split_modules` on the model class or override `_apply_fsdp_sharding` in a sidecar."
-        )
-    return layers
+    return _outermost(layers)
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The members of every ``nn.ModuleList`` whose children are all of one class, each holding parameters and
+    submodules of its own (a block, not a bare layer), outermost only, in module order."""
+    blocks: list[nn.Module] = []
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        children = list(module)
+        if len({type(child) for child in children}) != 1:
+            continue
+        if all(_is_block(child) for child in children):
+            blocks.extend(children)
+    return _outermost(blocks)
+
+
+def _is_block(module: nn.Module) -> bool:
+    has_parameters = next(module.parameters(), None) is not None
+    return has_parameters and next(module.children(), None) is not None
+
+
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` without those nested inside another of them (an encoder layer inside a decoder layer of the same
+    family, the experts list inside a block), each once."""
+    modules = list(dict.fromkeys(modules))
+    nested = {id(inner) for module in modules for inner in module.modules() if inner is not module}
+    return [module for module in modules if id(module) not in nested]
+
+
+def _describe_blocks(model: nn.Module, blocks: list[nn.Module]) -> str:
+    """``"model.layers (2 x LlamaDecoderLayer), ..."``: each container with its block count and class."""
+    names = {module: name for name, module in model.named_modules()}
+    groups: dict[str, list[nn.Module]] = {}
+    for block in blocks:
+        container = names[block].rpartition(".")[0] or "<root>"
+        groups.setdefault(container, []).append(block)
+    return ", ".join(f"{name} ({len(members)} x {type(members[0]).__name__})" for name, members in groups.items())
 
 
 def input_embeddings(model: nn.Module) -> nn.Module | None:
@@ -37,7 +111,7 @@ def input_embeddings(model: nn.Module) -> nn.Module | None:
     getter = getattr(model, "get_input_embeddings", None)
     try:
         return getter() if getter is not None else None
-    except NotImplementedError:
+    except (NotImplementedError, AttributeError):
         return None
 
 
@@ -46,7 +120,7 @@ def output_embeddings(model: nn.Module) -> nn.Module | None:
     getter = getattr(model, "get_output_embeddings", None)
     try:
         return getter() if getter is not None else None
-    except NotImplementedError:
+    except (NotImplementedError, AttributeError):
         return None
 
 
@@ -56,6 +130,20 @@ def tied_parameter_names(model: nn.Module) -> list[list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_identity.setdefault(id(param), []).append(name)
     return [names for names in by_identity.values() if len(names) > 1]
+
+
+def tied_module_groups(modules: list[nn.Module]) -> list[list[nn.Module]]:
+    """``modules`` grouped with every other of them they share a parameter with (twin layers), in the order of each
+    group's first member. FSDP2 shards a parameter in one unit only, so such a group must be one unit."""
+    groups: list[tuple[list[nn.Module], set[int]]] = []
+    for module in modules:
+        params = {id(param) for param in module.parameters()}
+        touching = [group for group in groups if group[1] & params]
+        members = [member for group in touching for member in group[0]] + [module]
+        shared = params.union(*(group[1] for group in touching))
+        groups = [group for group in groups if all(group is not other for other in touching)]
+        groups.append((members, shared))
+    return sorted((members for members, _ in groups), key=lambda members: modules.index(members[0]))
 
 
 def retie_parameters(model: nn.Module, groups: list[list[str]]) -> None:

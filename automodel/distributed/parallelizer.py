@@ -1,19 +1,27 @@
 """``ModelParallelizer``: the one model-facing parallelization contract, and the shared default implementation.
 
-``parallelize(model, mesh_context)`` is the only public operation. It dispatches on the resolved context:
+``parallelize(model, mesh_context)`` is the only public operation. Every path runs one flow, written once in
+``_apply`` (the steps are the functions of ``checklist.py``):
 
-==========================  ====================================================
-``ep_size > 1``             unified MoE TP + CP + EP + FSDP path
-FSDP2 without EP            dense TP -> activation checkpointing -> FSDP2 (``_apply``)
-DDP without EP              shared DDP path
-Megatron-FSDP without EP    shared Megatron-FSDP path
-==========================  ====================================================
+    TP (expert rules dropped under EP) -> EP -> CP -> activation checkpointing -> trainability -> shard
 
-Sidecars subclass it and override the narrowest protected hook (see ``docs/model-parallelizer.md``).
+and the resolved context picks what each step does:
+
+==========================  =================================================================================
+``ep_size > 1``             the unified MoE path: EP on, shard = FSDP2 (experts over ``ep_shard``, then dense)
+FSDP2 without EP            the dense FSDP2 path: shard = FSDP2 units
+DDP without EP              the DDP path: shard = torch's composable DDP
+Megatron-FSDP without EP    the Megatron-FSDP path: shard = ``megatron_fsdp.fully_shard_model``
+==========================  =================================================================================
+
+Sidecars subclass it and override the narrowest protected hook (see ``docs/model-parallelizer.md``); because every
+path goes through ``_apply`` and the same steps, an override holds on every path it can apply to, and
+``hook_policy.check_hooks`` refuses up front where one cannot.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,17 +30,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .activation_checkpointing import apply_activation_checkpointing
-from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
-from .context_parallel import apply_context_parallel
-from .ddp import apply_ddp
-from .expert_parallel import apply_expert_parallel, drop_expert_rules, shard_experts, validate_experts
+from . import checklist
+from .config import FSDP2Config, MegatronFSDPConfig
 from .fsdp import fsdp_mesh, fully_shard_default, shard_default_units
-from .megatron_fsdp import apply_megatron_fsdp, require_megatron_fsdp
+from .hook_policy import check_hooks, path_name
+from .megatron_fsdp import require_megatron_fsdp
 from .mesh import MeshContext
-from .tensor_parallel import apply_tensor_parallel, resolve_tp_plan, validate_attention_heads
+from .runtime import log_rank_zero
+from .tensor_parallel import resolve_tp_plan, validate_attention_heads
 
-__all__ = ["ModelParallelizer"]
+__all__ = ["ModelParallelizer", "parallelizer_for"]
+
+logger = logging.getLogger(__name__)
 
 TPShardPlan = dict[str, str | ParallelStyle] | str | Callable[[nn.Module], dict[str, str]]
 
@@ -53,27 +62,15 @@ class ModelParallelizer:
         """Parallelize ``model`` in place for ``mesh_context`` and return it.
 
         The model may be on the meta device (weights are loaded afterwards into the shards) or hold real weights
-        (every rank must then hold the same ones).
+        (every rank must then hold the same ones). Every request that cannot be honoured raises before the model is
+        touched, identically on every rank.
         """
-        if mesh_context.ep_size > 1:
-            return _parallelize_moe(self, model, mesh_context)
-        strategy = mesh_context.strategy
-        if isinstance(strategy, FSDP2Config):
-            return self._apply(model, **_dense_apply_arguments(self, mesh_context))
-        # DDP and Megatron-FSDP share the dense steps before their own wrapping (DDP has no TP: MeshContext
-        # refuses tp_size > 1 with it).
-        if isinstance(strategy, (DDPConfig, MegatronFSDPConfig)):
-            if isinstance(strategy, MegatronFSDPConfig):
-                require_megatron_fsdp()  # fail before touching the model
-            _tensor_parallel_step(self, model, mesh_context.mesh("tp"), mesh_context.sequence_parallel, self._tp_plan)
-            _activation_checkpointing_step(
-                self, model, mesh_context.activation_checkpointing, mesh_context.moe.save_router_decisions
-            )
-            if mesh_context.reapply_trainability is not None:
-                mesh_context.reapply_trainability(model)
-            wrap = apply_ddp if isinstance(strategy, DDPConfig) else apply_megatron_fsdp
-            return wrap(model, mesh_context)
-        raise TypeError(f"Unsupported strategy config {type(strategy).__name__}.")
+        _check_strategy(mesh_context)
+        check_hooks(self, mesh_context)
+        log_rank_zero(
+            logger, "Parallelizing %s with %s on %s", type(model).__name__, type(self).__name__, path_name(mesh_context)
+        )
+        return self._apply(model, **_apply_arguments(self, mesh_context))
 
     # ----------------------------------------------------------------------------------------------------------------
     # Protected hooks: the narrow extension points for model sidecars.
@@ -95,25 +92,41 @@ class ModelParallelizer:
         reapply_trainability: Callable[[nn.Module], None] | None = None,
         **kwargs: Any,
     ) -> nn.Module:
-        """The complete dense FSDP2 flow: TP (+SP) -> CP -> activation checkpointing -> trainability -> FSDP units ->
-        root.
+        """The whole flow, on every path: TP (+SP; expert rules dropped under EP) -> EP -> CP -> activation
+        checkpointing -> trainability -> shard (FSDP2 units, DDP or Megatron-FSDP).
 
-        Override to surround or replace it for one model, and call ``super()._apply(...)`` to keep the ordering.
+        Override to surround or replace it for one model, and call ``super()._apply(...)`` to keep the ordering; the
+        override runs on every path, so refusals and policies it adds hold everywhere. ``kwargs`` carries the
+        ``mesh_context`` (EP meshes, strategy) and ``save_router_decisions``: pass it on unchanged.
         """
-        _tensor_parallel_step(self, model, device_mesh[tp_mesh_name], sequence_parallel, tp_shard_plan)
-        _context_parallel_step(model, device_mesh["cp"])
-        _activation_checkpointing_step(self, model, activation_checkpointing, kwargs.get("save_router_decisions", True))
-        if reapply_trainability is not None:
-            reapply_trainability(model)
-        mesh = fsdp_mesh(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name)
-        if mesh.size() > 1:
-            self._apply_fsdp_sharding(
-                model,
-                mesh=mesh,
-                mp_policy=mp_policy,
-                offload_policy=offload_policy,
-                reshard_after_forward=reshard_after_forward,
-            )
+        context = kwargs.get("mesh_context") or MeshContext(device_mesh=device_mesh, strategy=FSDP2Config())
+        tp_mesh = device_mesh[tp_mesh_name]
+        # Everything that can refuse runs first, so a refusal leaves the model untouched.
+        expert_names = checklist.validate_expert_parallel(model, context)
+        tp_plan = checklist.plan_tensor_parallel(self, model, tp_mesh, tp_shard_plan, expert_names)
+        requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
+
+        done = [checklist.tensor_parallel_step(model, tp_mesh, tp_plan, sequence_parallel)]
+        experts = checklist.expert_parallel_step(model, context, expert_names)
+        if experts:
+            done.append(f"EP over ep={context.ep_size}: {sum(map(len, experts))} experts modules")
+        done.append(checklist.context_parallel_step(model, device_mesh["cp"]))
+        replay_routing = kwargs.get("save_router_decisions", context.moe.save_router_decisions)
+        done.append(checklist.activation_checkpointing_step(self, model, activation_checkpointing, replay_routing))
+        done.append(checklist.trainability_step(model, requires_grad, reapply_trainability))
+        model, sharded = checklist.shard_step(
+            self,
+            model,
+            context,
+            experts,
+            fsdp_mesh(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name),
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+        done.append(sharded)
+        for line in filter(None, done):
+            log_rank_zero(logger, "%s", line)
         return model
 
     def _apply_fsdp_sharding(
@@ -125,10 +138,11 @@ class ModelParallelizer:
         offload_policy: OffloadPolicy | None = None,
         reshard_after_forward: bool | None = None,
     ) -> nn.Module:
-        """Choose the FSDP units and shard each through ``self._fully_shard_module``, then the root.
+        """Choose the dense FSDP units and shard each through ``self._fully_shard_module``, then the root.
 
-        Default units: decoder layers (``_no_split_modules``), the model's transformers FSDP plan, and untied input
-        embeddings and output head. Override for other boundaries (e.g. dtype-uniform groups).
+        Default units: decoder layers (``_no_split_modules``, else the model's repeated blocks), the model's
+        transformers FSDP plan, and untied input embeddings and output head. On the MoE path the experts are units
+        already. Override for other boundaries (e.g. dtype-uniform groups).
         """
         return shard_default_units(
             model,
@@ -140,11 +154,13 @@ class ModelParallelizer:
         )
 
     def _fully_shard_module(self, module: nn.Module, **kwargs: Any) -> nn.Module:
-        """The FSDP2 primitive for one unit (decoder layers, standalone embeddings, the output head, the root)."""
+        """The FSDP2 primitive for one unit (decoder layers, standalone embeddings, the output head, the root; the
+        experts too on the MoE path when ``_customizes_moe_fsdp`` is set)."""
         return fully_shard_default(module, **kwargs)
 
     def _validate_tp_mesh(self, model: nn.Module, tp_mesh: DeviceMesh) -> None:
-        """Raise when ``model`` cannot be tensor-parallelized over ``tp_mesh`` (default: attention head counts)."""
+        """Raise when ``model`` cannot be tensor-parallelized over ``tp_mesh`` (default: attention head counts of the
+        plan being applied, which ``model._tp_plan`` holds when this runs)."""
         validate_attention_heads(model, tp_mesh.size(), resolve_tp_plan(model))
 
     def _use_full_layer_activation_checkpointing(self, model: nn.Module) -> bool:
@@ -152,96 +168,43 @@ class ModelParallelizer:
         return False
 
 
-def _tensor_parallel_step(
-    parallelizer: ModelParallelizer,
-    model: nn.Module,
-    tp_mesh: DeviceMesh,
-    sequence_parallel: bool,
-    tp_shard_plan: TPShardPlan | None,
-) -> None:
-    if tp_mesh.size() == 1:
-        return
-    plan = resolve_tp_plan(model, tp_shard_plan if tp_shard_plan is not None else parallelizer._tp_plan)
-    # The model records the plan it is sharded with (as transformers' own TP does), so `_validate_tp_mesh` and later
-    # readers (checkpoint saving) see the plan actually applied.
-    model._tp_plan = plan
-    parallelizer._validate_tp_mesh(model, tp_mesh)
-    apply_tensor_parallel(model, tp_mesh, plan, sequence_parallel=sequence_parallel)
+def parallelizer_for(model: nn.Module) -> ModelParallelizer:
+    """The parallelizer a model's class carries (its sidecar's ``PARALLELIZER``), else ``ModelParallelizer()``."""
+    return getattr(type(model), "parallelizer", None) or ModelParallelizer()
 
 
-def _context_parallel_step(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    if cp_mesh.size() > 1:
-        apply_context_parallel(model, cp_mesh)
-
-
-def _activation_checkpointing_step(
-    parallelizer: ModelParallelizer, model: nn.Module, mode: bool | str, save_router_decisions: bool = True
-) -> None:
-    if not mode:
-        return
-    mode = "full" if mode is True else mode
-    apply_activation_checkpointing(
-        model,
-        mode,
-        full_layers=parallelizer._use_full_layer_activation_checkpointing(model),
-        replay_routing=save_router_decisions,
-    )
-
-
-def _dense_apply_arguments(parallelizer: ModelParallelizer, context: MeshContext) -> dict[str, Any]:
-    """The documented ``_apply`` keyword arguments, derived from the one ``MeshContext``."""
+def _check_strategy(context: MeshContext) -> None:
+    """Refuse what no path can run, before the model is touched (``MeshContext.build`` refuses these too; a context
+    built field by field reaches here)."""
     strategy = context.strategy
-    assert isinstance(strategy, FSDP2Config)
-    return {
-        "device_mesh": context.device_mesh,
-        "mp_policy": strategy.mp_policy(),
-        "offload_policy": strategy.offload_policy(),
-        "sequence_parallel": context.sequence_parallel,
-        "activation_checkpointing": context.activation_checkpointing,
-        "tp_shard_plan": parallelizer._tp_plan,
-        "reshard_after_forward": strategy.reshard_after_forward,
-        "reapply_trainability": context.reapply_trainability,
-        # Not in the documented signature: reaches `_apply` through **kwargs.
-        "save_router_decisions": context.moe.save_router_decisions,
-    }
-
-
-def _parallelize_moe(parallelizer: ModelParallelizer, model: nn.Module, context: MeshContext) -> nn.Module:
-    """The unified MoE path: TP on the dense modules -> EP on the routed experts -> CP -> activation checkpointing ->
-    trainability -> FSDP (experts over ``ep_shard``, then the dense units over ``dp_shard_cp``) -> root.
-
-    The FSDP primitive is the shared one, or the sidecar's ``_fully_shard_module`` when it sets
-    ``_customizes_moe_fsdp`` (it then sees the experts after EP has made them local to their owners).
-    """
-    strategy = context.strategy
-    if not isinstance(strategy, FSDP2Config):
+    if context.ep_size > 1 and not isinstance(strategy, FSDP2Config):
         raise ValueError(
             f"ep_size={context.ep_size} runs on the unified MoE path, which shards with FSDP2: use strategy='fsdp2' "
             f"(got {strategy.name!r})."
         )
-    expert_names = validate_experts(model, context.ep_size, context.tp_size)
-    if context.tp_size > 1:
-        # EP owns the experts: the TP plan's expert rules (moe_tp_experts, packed_colwise ...) are dropped.
-        plan = drop_expert_rules(resolve_tp_plan(model, parallelizer._tp_plan), expert_names)
-        _tensor_parallel_step(parallelizer, model, context.mesh("tp"), context.sequence_parallel, plan)
-    experts = apply_expert_parallel(model, context.mesh("ep"), context.mesh("tp"))
-    _context_parallel_step(model, context.mesh("cp"))
-    _activation_checkpointing_step(
-        parallelizer, model, context.activation_checkpointing, context.moe.save_router_decisions
-    )
-    if context.reapply_trainability is not None:
-        context.reapply_trainability(model)
-    shard = parallelizer._fully_shard_module if parallelizer._customizes_moe_fsdp else fully_shard_default
-    options = {"mp_policy": strategy.mp_policy(), "offload_policy": strategy.offload_policy()}
-    shard_experts(
-        experts,
-        shard,
-        mesh=context.mesh("ep_shard"),
-        batches_per_step=context.world_size // context.tp_size,
-        reshard_after_forward=strategy.reshard_after_forward,
-        **options,
-    )
-    mesh = fsdp_mesh(context.device_mesh, "dp_replicate", "dp_shard_cp")
-    if mesh.size() > 1:
-        shard_default_units(model, shard, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward, **options)
-    return model
+    if isinstance(strategy, MegatronFSDPConfig):
+        require_megatron_fsdp()
+        if context.cp_size > 1:
+            raise ValueError(
+                f"strategy='megatron_fsdp' with cp_size={context.cp_size} is not supported: use strategy='fsdp2' "
+                "for context parallelism."
+            )
+
+
+def _apply_arguments(parallelizer: ModelParallelizer, context: MeshContext) -> dict[str, Any]:
+    """The documented ``_apply`` keyword arguments, derived from the one ``MeshContext``; the context itself and the
+    router policy travel in ``**kwargs``."""
+    strategy = context.strategy
+    fsdp2 = isinstance(strategy, FSDP2Config)
+    return {
+        "device_mesh": context.device_mesh,
+        "mp_policy": strategy.mp_policy() if fsdp2 else None,
+        "offload_policy": strategy.offload_policy() if fsdp2 else None,
+        "sequence_parallel": context.sequence_parallel,
+        "activation_checkpointing": context.activation_checkpointing,
+        "tp_shard_plan": parallelizer._tp_plan,
+        "reshard_after_forward": strategy.reshard_after_forward if fsdp2 else None,
+        "reapply_trainability": context.reapply_trainability,
+        "mesh_context": context,
+        "save_router_decisions": context.moe.save_router_decisions,
+    }

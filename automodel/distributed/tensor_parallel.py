@@ -1,56 +1,134 @@
-"""Tensor parallelism (+ sequence parallelism) from the model's own TP plan.
+"""Tensor parallelism (+ sequence parallelism) from a TP plan.
 
 Plans are transformers' plans: literal dicts from module / parameter names (with ``*`` for layer numbers) to
-transformers' style names. Shared code never writes a per-architecture plan; a model without one gets a clear error,
-and a sidecar can supply one (``ModelParallelizer._tp_plan``).
+transformers' style names. One plan applies, chosen by a stated precedence (:func:`choose_tp_plan`): the one a user
+passes to ``from_pretrained(tp_plan=...)``, else the sidecar's, else the model's own. Shared code never writes a
+per-architecture plan; a model without one gets a clear error.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._pytree import tree_map_only
 
 from .hf_plans import (
     SequenceParallelNorm,
     SequenceParallelRowwise,
     TensorParallelLayer,
     expand_plan,
+    install_module_style,
+    matchable_plan_keys,
     model_tp_plan,
     style_named,
 )
 from .model_structure import decoder_layers, retie_parameters, tied_parameter_names
 
-__all__ = ["apply_tensor_parallel", "resolve_tp_plan", "validate_attention_heads"]
+__all__ = [
+    "TPPlanChoice",
+    "apply_tensor_parallel",
+    "choose_tp_plan",
+    "resolve_tp_plan",
+    "set_user_tp_plan",
+    "validate_attention_heads",
+]
+
+logger = logging.getLogger(__name__)
 
 TPPlan = dict[str, str]
+PlanSpec = TPPlan | str | Callable[[nn.Module], TPPlan]
 _KEY_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn")
+# Where ``from_pretrained(tp_plan=...)`` / ``from_config(tp_plan=...)`` leave the user's plan on the model instance.
+_USER_PLAN_ATTRIBUTE = "_automodel_user_tp_plan"
 
 
-def resolve_tp_plan(model: nn.Module, override: TPPlan | str | Callable[[nn.Module], TPPlan] | None = None) -> TPPlan:
-    """The TP plan to apply: ``override`` (a dict, a callable of the model, or its ``"module:attr"`` import path),
-    else the model's own (``_tp_plan`` + ``config.base_model_tp_plan``).
+@dataclass(frozen=True)
+class TPPlanChoice:
+    """The plan TP applies and where it came from (``"from_pretrained(tp_plan=...)"``, the sidecar's class name, or
+    ``"the model"``)."""
 
-    Raises when the result is empty, naming the class and the ways to supply one.
+    plan: TPPlan
+    source: str
+
+    @property
+    def from_user(self) -> bool:
+        """Whether a user gave this plan (its unmatched rules are errors, not debug lines)."""
+        return self.source == USER_SOURCE
+
+
+USER_SOURCE = "from_pretrained(tp_plan=...)"
+
+
+def set_user_tp_plan(model: nn.Module, plan: PlanSpec | None) -> None:
+    """Record a user's TP plan on ``model``: it takes precedence over a sidecar's and the model's own.
+
+    ``None`` and ``"auto"`` (transformers' spelling of "the model's own plan") record nothing.
     """
-    if isinstance(override, str):
-        module_name, _, attr = override.replace(":", ".").rpartition(".")
-        override = getattr(importlib.import_module(module_name), attr)
-    if callable(override):
-        override = override(model)
-    plan = dict(override) if override is not None else model_tp_plan(model)
+    if plan is None or (isinstance(plan, str) and plan == "auto"):
+        return
+    setattr(model, _USER_PLAN_ATTRIBUTE, plan)
+
+
+def choose_tp_plan(model: nn.Module, sidecar_plan: PlanSpec | None, sidecar: str = "the sidecar") -> TPPlanChoice:
+    """The one TP plan for ``model``, by precedence: the user's (:func:`set_user_tp_plan`) > ``sidecar_plan`` > the
+    model's own (``_tp_plan`` + ``config.base_model_tp_plan``).
+
+    A plan may be a dict, a callable of the model, or the ``"module:attr"`` import path of either. Raises when the
+    chosen plan is empty, naming the class and the ways to supply one.
+    """
+    user = getattr(model, _USER_PLAN_ATTRIBUTE, None)
+    if user is not None:
+        return TPPlanChoice(_materialize(user, model), USER_SOURCE)
+    if sidecar_plan is not None:
+        return TPPlanChoice(_materialize(sidecar_plan, model), sidecar)
+    return TPPlanChoice(resolve_tp_plan(model), "the model")
+
+
+def resolve_tp_plan(model: nn.Module, override: PlanSpec | None = None) -> TPPlan:
+    """``override`` materialized (a dict, a callable of the model, or its ``"module:attr"`` import path), else the
+    model's own plan; raises when the result is empty."""
+    plan = _materialize(override, model) if override is not None else model_tp_plan(model)
     if not plan:
         raise ValueError(
             f"{type(model).__name__} has no tensor-parallel plan (no `_tp_plan` on the class and no "
             "`base_model_tp_plan` on its config), so tp_size > 1 cannot shard it. Supply one, with transformers style "
             'names, e.g. {"model.layers.*.self_attn.q_proj": "colwise", ...}: pass `tp_plan=` to from_pretrained / '
             "from_config, set `_tp_plan` on a sidecar ModelParallelizer subclass "
-            "(model_sidecars/<model>/parallelization.py), or pass `tp_shard_plan` to its `_apply`."
+            "(model_sidecars/<model>/parallelization.py), or pass `tp_shard_plan` to its `_apply`. Or use tp_size=1."
         )
     return plan
+
+
+def _materialize(spec: PlanSpec, model: nn.Module) -> TPPlan:
+    if isinstance(spec, str):
+        module_name, _, attr = spec.replace(":", ".").rpartition(".")
+        spec = getattr(importlib.import_module(module_name), attr)
+    if callable(spec):
+        spec = spec(model)
+    return dict(spec)
+
+
+def check_plan_rules(model: nn.Module, choice: TPPlanChoice) -> None:
+    """A rule of a user's plan that addresses nothing in the model is an error naming it (a typo would otherwise
+    silently leave a module unsharded); unmatched rules of a sidecar's or the model's own plan (which cover variants
+    of an architecture) are logged at debug level."""
+    keys = matchable_plan_keys(model)
+    unmatched = [rule for rule in choice.plan if rule not in keys]
+    if not unmatched:
+        return
+    if choice.from_user:
+        raise ValueError(
+            f"tp_plan rules {unmatched} match no parameter or module of {type(model).__name__}. Rules are full "
+            "module or parameter names with `*` for layer numbers, e.g. 'model.layers.*.self_attn.q_proj'."
+        )
+    logger.debug("TP plan of %s: rules matching nothing in %s: %s", choice.source, type(model).__name__, unmatched)
 
 
 def validate_attention_heads(model: nn.Module, tp_size: int, plan: TPPlan) -> None:
@@ -97,7 +175,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *
             style.validate_param(modules[module_name], param_name, tp_mesh, parameter_name=name)
             style.shard_param(modules[module_name], param_name, tp_mesh)
         else:
-            style.install_forward(modules[name], tp_mesh)
+            install_module_style(model, modules[name], style, tp_mesh)
     _check_tied_placements(model, tied)
     retie_parameters(model, tied)
 
@@ -116,11 +194,14 @@ def _check_tied_placements(model: nn.Module, groups: list[list[str]]) -> None:
 _SEQUENCE_PARALLEL_FORMS: dict[str, Callable[[], TensorParallelLayer] | None] = {
     # Its block's input is all-gathered over the sequence before it (see _gather_block_input_hook).
     "colwise": None,
+    "packed_colwise": None,
     "rowwise": SequenceParallelRowwise,
     # Per-head norms after a colwise projection see the whole sequence: unchanged.
     "replicated_with_grad_allreduce": None,
     "replicate": None,
 }
+# The style of a routed-experts module under TP: its block runs on the whole sequence (see below).
+_ROUTED_EXPERTS_STYLE = "moe_tp_experts"
 
 
 def _sequence_parallel_styles(
@@ -129,44 +210,66 @@ def _sequence_parallel_styles(
     """Convert the decoder layers' styles so activations between TP regions stay sharded over the sequence.
 
     The sequence is split when it enters the first decoder layer and gathered when it leaves the last, so embeddings,
-    rotary positions, masks, the final norm and the head see the whole sequence as usual. Inside the layers colwise
-    projections all-gather the sequence, rowwise projections reduce-scatter onto it, and the layers' own norms run on
-    sequence shards with their gradients summed over TP.
+    rotary positions, masks, the final norm and the head see the whole sequence as usual. Inside a layer each block
+    (child module) takes one of three forms:
+
+    - TP-sharded with sequence-parallel styles (attention, MLP): colwise projections all-gather the sequence, rowwise
+      projections reduce-scatter onto it;
+    - per-token with replicated 1-D parameters (norms): run on sequence shards, their gradients summed over TP;
+    - everything else (routed experts, which TP shards as whole-expert slices or EP owns; mixers, convolutions and
+      scans TP leaves replicated): run on the whole sequence exactly as without SP, every output laid out like the
+      hidden states cut back to this rank's shard.
+
+    A decoder layer's own parameters (used on sequence shards) get their gradients summed over TP as well. A style
+    that has no sequence-parallel form in a sharded block is refused, naming the module.
     """
     layers = decoder_layers(model)
     layer_names = {module: name for name, module in model.named_modules()}
-    prefixes = tuple(f"{layer_names[layer]}." for layer in layers)
     converted = dict(styles)
-    for name, style_name in expanded.items():
-        if not name.startswith(prefixes):
-            continue
+    whole_sequence: list[str] = []
+    for layer in layers:
+        if next(layer.parameters(recurse=False), None) is not None:
+            converted[layer_names[layer]] = style_named("replicated_with_grad_allreduce")
+        for child_name, child in layer.named_children():
+            full_name = f"{layer_names[layer]}.{child_name}"
+            entries = {
+                key: style for key, style in expanded.items() if key == full_name or key.startswith(f"{full_name}.")
+            }
+            if entries and _ROUTED_EXPERTS_STYLE not in entries.values():
+                _convert_sharded_block(entries, converted)
+                child.register_forward_pre_hook(_gather_block_input_hook(mesh), with_kwargs=True)
+            elif entries or any(param.ndim != 1 for param in child.parameters()):
+                whole_sequence.append(full_name)
+                _run_on_whole_sequence(child, mesh)
+            elif next(child.parameters(), None) is not None:
+                converted[full_name] = SequenceParallelNorm()
+    if whole_sequence:
+        logger.debug("Sequence parallelism: blocks run on the whole sequence: %s", whole_sequence)
+    layers[0].register_forward_pre_hook(_scatter_sequence_hook(mesh), with_kwargs=True)
+    layers[-1].register_forward_hook(_gather_sequence_hook(mesh))
+    return converted
+
+
+def _convert_sharded_block(entries: TPPlan, converted: dict[str, TensorParallelLayer]) -> None:
+    for name, style_name in entries.items():
         if style_name not in _SEQUENCE_PARALLEL_FORMS:
             raise ValueError(
                 f"Sequence parallelism cannot follow the TP style {style_name!r} of {name}: it supports "
-                f"{sorted(_SEQUENCE_PARALLEL_FORMS)} inside decoder layers. Use sequence_parallel=False for this model."
+                f"{sorted(_SEQUENCE_PARALLEL_FORMS)} inside decoder layers (and whole routed-experts blocks). Use "
+                "sequence_parallel=False for this model, or a TP plan without that style."
             )
         form = _SEQUENCE_PARALLEL_FORMS[style_name]
         if form is not None:
             converted[name] = form()
-    for layer in layers:
-        for child_name, child in layer.named_children():
-            full_name = f"{layer_names[layer]}.{child_name}"
-            if any(key == full_name or key.startswith(full_name + ".") for key in expanded):
-                child.register_forward_pre_hook(_gather_block_input_hook(mesh), with_kwargs=True)
-                continue
-            params = list(child.parameters())
-            if not params:
-                continue
-            if any(p.ndim != 1 for p in params):
-                # Neither sharded by the plan nor per-token (e.g. a MoE block whose experts EP owns): it runs on the
-                # whole sequence on every TP rank, exactly as it does without SP.
-                child.register_forward_pre_hook(_gather_block_input_hook(mesh, as_dtensor=False), with_kwargs=True)
-                child.register_forward_hook(_rescatter_block_output_hook(mesh))
-                continue
-            converted[full_name] = SequenceParallelNorm()
-    layers[0].register_forward_pre_hook(_scatter_sequence_hook(mesh), with_kwargs=True)
-    layers[-1].register_forward_hook(_gather_sequence_hook(mesh))
-    return converted
+
+
+def _run_on_whole_sequence(block: nn.Module, mesh: DeviceMesh) -> None:
+    """Gather ``block``'s sequence-sharded input and cut its outputs back to this rank's shard: it computes exactly
+    as without SP (identically on every TP rank), and its backward all-gathers the output gradients, so every rank
+    back-propagates the whole sequence."""
+    seen: dict[str, tuple[int, int]] = {}
+    block.register_forward_pre_hook(_gather_block_input_hook(mesh, as_dtensor=False, seen=seen), with_kwargs=True)
+    block.register_forward_hook(_rescatter_block_output_hook(mesh, seen))
 
 
 def _scatter_sequence_hook(mesh: DeviceMesh):
@@ -186,13 +289,16 @@ def _scatter_sequence_hook(mesh: DeviceMesh):
     return hook
 
 
-def _gather_block_input_hook(mesh: DeviceMesh, *, as_dtensor: bool = True):
-    """All-gather a block's sequence-sharded input (as a replicated DTensor for TP projections, or a plain tensor)."""
+def _gather_block_input_hook(mesh: DeviceMesh, *, as_dtensor: bool = True, seen: dict | None = None):
+    """All-gather a block's sequence-sharded input (as a replicated DTensor for TP projections, or a plain tensor);
+    ``seen`` records the gathered ``(batch, sequence)`` sizes for the output hook."""
 
     def hook(module, args, kwargs):
 
         def gather(local):
             full = DTensor.from_local(local, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+            if seen is not None:
+                seen["shape"] = tuple(full.shape[:2])
             return full if as_dtensor else full.to_local()
 
         if args:
@@ -202,17 +308,22 @@ def _gather_block_input_hook(mesh: DeviceMesh, *, as_dtensor: bool = True):
     return hook
 
 
-def _rescatter_block_output_hook(mesh: DeviceMesh):
-    """Keep this rank's sequence shard of a block output computed on the whole sequence (identical on every TP rank);
-    its backward all-gathers the output gradient, so every rank back-propagates the whole sequence."""
+def _rescatter_block_output_hook(mesh: DeviceMesh, seen: dict[str, tuple[int, int]]):
+    """Keep this rank's sequence shard of every output laid out like the block's gathered input (``[batch,
+    sequence, ...]``), computed on the whole sequence (identical on every TP rank); its backward all-gathers the
+    output gradient."""
 
-    def split(full):
-        return DTensor.from_local(full, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+    def split(full: torch.Tensor) -> torch.Tensor:
+        if full.ndim < 2 or tuple(full.shape[:2]) != seen["shape"]:
+            return full
+        return (
+            DTensor.from_local(full, mesh, [Replicate()], run_check=False)
+            .redistribute(placements=[Shard(1)])
+            .to_local()
+        )
 
     def hook(module, args, output):
-        if isinstance(output, tuple):
-            return (split(output[0]).to_local(), *output[1:])
-        return split(output).to_local()
+        return tree_map_only(torch.Tensor, split, output)
 
     return hook
 

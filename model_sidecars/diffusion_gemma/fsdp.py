@@ -3,7 +3,8 @@
 DiffusionGemma's encoder layer ``i`` and decoder layer ``i`` hold the same parameters (transformers ties them), and
 FSDP2 can only shard a parameter in one unit, so a unit here is a group of such twin layers (``fully_shard`` of a
 list). The experts of the twins form one unit of their own before it, which keeps the largest tensors of a layer
-in a separate all-gather and lets them be resharded as soon as the experts have run.
+in a separate all-gather and lets them be resharded as soon as the experts have run. On the MoE path the experts
+arrive as units already (EP owns them, sharded over ``ep_shard``), and only the layers are left to shard.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from automodel.distributed import fully_shard_default
 
@@ -20,26 +22,18 @@ Modules = nn.Module | list[nn.Module]
 
 
 def _fully_shard_experts_first(modules: Modules, **kwargs: Any) -> Modules:
-    """Shard the routed experts of ``modules`` (one layer, or twin layers sharing parameters) as one unit, then
-    ``modules`` as the unit around them. A module without ``experts`` is sharded as it is."""
+    """Shard the routed experts of ``modules`` (one layer, or twin layers sharing parameters) as one unit, unless
+    they are units already, then ``modules`` as the unit around them. A module without ``experts`` is sharded as it
+    is."""
     layers = modules if isinstance(modules, list) else [modules]
-    experts = [layer.experts for layer in layers if isinstance(getattr(layer, "experts", None), nn.Module)]
+    experts = [
+        layer.experts
+        for layer in layers
+        if isinstance(getattr(layer, "experts", None), nn.Module) and not isinstance(layer.experts, FSDPModule)
+    ]
     if experts:
         fully_shard_default(_one_or_group(experts), **kwargs)
     return fully_shard_default(_one_or_group(layers), **kwargs)
-
-
-def _tied_groups(layers: list[nn.Module]) -> list[list[nn.Module]]:
-    """``layers`` grouped with every layer they share a parameter with, in the order of each group's first layer."""
-    groups: list[tuple[list[nn.Module], set[int]]] = []
-    for layer in layers:
-        params = {id(param) for param in layer.parameters()}
-        touching = [group for group in groups if group[1] & params]
-        members = [member for group in touching for member in group[0]] + [layer]
-        shared = params.union(*(group[1] for group in touching))
-        groups = [group for group in groups if all(group is not other for other in touching)]
-        groups.append((members, shared))
-    return sorted((members for members, _ in groups), key=lambda members: layers.index(members[0]))
 
 
 def _one_or_group(modules: list[nn.Module]) -> Modules:

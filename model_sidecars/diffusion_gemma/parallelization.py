@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from automodel.distributed import ModelParallelizer, decoder_layers
+from automodel.distributed import ModelParallelizer, decoder_layers, tied_module_groups
 
-from .fsdp import Modules, _fully_shard_experts_first, _tied_groups
+from .fsdp import Modules, _fully_shard_experts_first
 
 __all__ = ["PARALLELIZER"]
 
@@ -42,6 +42,10 @@ _LAYER_TP_PLAN = {
 class DiffusionGemmaParallelizer(ModelParallelizer):
     """Shards DiffusionGemma with one unit per pair of tied encoder / decoder layers, and their experts before it."""
 
+    # The primitive is needed on the MoE path too (twin layers are one unit) and safe there: it leaves the experts,
+    # which EP has made units over ep_shard, as they are.
+    _customizes_moe_fsdp = True
+
     # transformers' plan shards the encoder's layers and embeddings only; the decoder's twins hold the same
     # parameters, so they must get the same placements (the shared TP step refuses tied parameters placed apart).
     _tp_plan = {
@@ -62,7 +66,7 @@ class DiffusionGemmaParallelizer(ModelParallelizer):
         reshard_after_forward: bool | None = None,
     ) -> nn.Module:
         options = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
-        for twins in _tied_groups(decoder_layers(model)):
+        for twins in tied_module_groups(decoder_layers(model)):
             self._fully_shard_module(twins, reshard_after_forward=reshard_after_forward, **options)
         # The root holds the tied embeddings / lm_head, used again right after forward for backward.
         return self._fully_shard_module(model, reshard_after_forward=False, **options)

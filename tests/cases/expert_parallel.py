@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from automodel.distributed import MeshContext, ModelParallelizer, fully_shard_default
 from automodel.distributed.expert_parallel import expert_module_names
-from tests.cases.dense import compare_with_reference
+from tests.parity import compare_with_reference
 from tests.tiny_models import build_model, tiny_config, token_batch
 
 

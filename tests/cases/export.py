@@ -10,17 +10,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import MeshContext
+from automodel.distributed.runtime import full_tensor
 from automodel.loading.export import ModelCardInfo, save_hf_checkpoint
 from tests.tiny_models import token_batch
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def sgd_step(model: torch.nn.Module, lr: float = 0.5) -> None:
@@ -75,7 +71,7 @@ def export_parity(
     sgd_step(model)
     batch = token_batch()
     with torch.no_grad():
-        sharded_logits = _full(model(batch).logits).detach()
+        sharded_logits = full_tensor(model(batch).logits).detach()
     card = ModelCardInfo(base_model="org/tiny-base", training_summary={"recipe": "sft", "layout": layout})
     path = save_hf_checkpoint(model, directory, max_shard_size=max_shard_size, model_card=card)
     if dist.get_rank() != 0:

@@ -19,7 +19,7 @@ from automodel.distributed import (
     fully_shard_default,
 )
 from automodel.distributed.megatron_fsdp import megatron_fsdp_arguments
-from tests.cases.dense import compare_with_reference
+from tests.parity import compare_with_reference
 from tests.tiny_models import build_model, tiny_llama_config, token_batch
 
 

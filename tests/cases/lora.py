@@ -11,16 +11,13 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from automodel import MeshContext, NeMoAutoModelForCausalLM
+from automodel.distributed.runtime import full_tensor
 from automodel.loading.placements import local_indices
 from automodel.loading.sources import select
 from automodel.lora import merge_lora
 from tests.tiny_models import token_batch
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def lora_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
@@ -32,12 +29,12 @@ def lora_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
     base = AutoModelForCausalLM.from_pretrained(checkpoint)
     batch = token_batch()
     with torch.no_grad():
-        initial = (_full(model(input_ids=batch).logits) - base(input_ids=batch).logits).abs().max().item()
+        initial = (full_tensor(model(input_ids=batch).logits) - base(input_ids=batch).logits).abs().max().item()
         # Non-zero lora_B (peft starts it at zero) so the adapters change the output; the same values in both.
         generator = torch.Generator().manual_seed(3)
         ref_params = {n.removeprefix("base_model.model."): p for n, p in reference.named_parameters()}
         for name, param in model.named_parameters():
-            full = _full(param)
+            full = full_tensor(param)
             if "lora_B" in name:
                 full = torch.randn(full.shape, generator=generator) * 0.1
                 _local(param).copy_(select(full, local_indices(param)))
@@ -51,16 +48,18 @@ def lora_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
     dist.all_reduce(loss, group=context.mesh("dp").get_group())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     grads = max(
-        (_full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters() if p.requires_grad
+        (full_tensor(p.grad) - ref_params[n].grad).abs().max().item()
+        for n, p in model.named_parameters()
+        if p.requires_grad
     )
     frozen_grads = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
     with torch.no_grad():
-        before = _full(model(input_ids=batch).logits)
+        before = full_tensor(model(input_ids=batch).logits)
         merge_lora(model)
-        after = _full(model(input_ids=batch).logits)
+        after = full_tensor(model(input_ids=batch).logits)
     return {
         "initial": initial,
-        "logits": (_full(out.logits) - ref.logits[context.mesh("dp").get_local_rank() * rows :][:rows])
+        "logits": (full_tensor(out.logits) - ref.logits[context.mesh("dp").get_local_rank() * rows :][:rows])
         .abs()
         .max()
         .item(),

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, DeepseekV4Config, DeepseekV4ForCausalLM
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import FSDP2Config, MeshContext, ModelParallelizer
+from tests.parity import compare_with_reference, local_rows
 from tests.tiny_models import VOCAB, token_batch
 
 BF16_LAYOUT = FSDP2Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -121,46 +121,6 @@ def loaded_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def compare_with_reference(
-    reference: nn.Module, model: nn.Module, context: MeshContext, batch: torch.Tensor
-) -> dict[str, Any]:
-    """``tests.cases.dense.compare_with_reference`` for a model some of whose parameters get no gradient: the
-    Lightning Indexer only picks top-k indices, so its weights get none in plain transformers either."""
-    ref_out = reference(input_ids=batch, labels=batch)
-    ref_out.loss.backward()
-    local = _local_rows(context, batch)
-    out = model(input_ids=local, labels=local)
-    out.loss.backward()
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss, group=context.mesh("dp").get_group())
-    loss /= context.dp_size
-    ref_params = dict(reference.named_parameters())
-    grads, without = {}, []
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            without.append(name)
-            continue
-        grads[name] = (_full(param.grad) - ref_params[name].grad).abs().max().item()
-    worst = max(grads, key=grads.__getitem__)
-    rows = local.shape[0]
-    start = context.mesh("dp").get_local_rank() * rows
-    return {
-        "logits": (_full(out.logits).detach() - ref_out.logits[start : start + rows].detach()).abs().max().item(),
-        "loss": (loss - ref_out.loss.detach()).abs().item(),
-        "grad": grads[worst],
-        "worst_grad": worst,
-        "n_grads": len(grads),
-        "n_ref_grads": sum(p.grad is not None for p in ref_params.values()),
-        "no_grad": without,
-        "ref_no_grad": [name for name, p in ref_params.items() if p.grad is None],
-        "same_class": isinstance(model, type(reference)),
-    }
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _fp32_units(model: nn.Module) -> list[str]:
     """Names of the FSDP units whose mixed-precision policy computes in float32."""
     return [
@@ -192,8 +152,7 @@ def _is_fp32_kept(name: str) -> bool:
 
 
 def _local_rows(context: MeshContext, batch: torch.Tensor) -> torch.Tensor:
-    rows = batch.shape[0] // context.dp_size
-    return batch[context.mesh("dp").get_local_rank() * rows :][:rows]
+    return batch[local_rows(context, batch.shape[0])]
 
 
 def bf16_step(checkpoint: str) -> dict[str, Any]:

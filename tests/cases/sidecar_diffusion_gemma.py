@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
 from automodel.auto_model import NeMoAutoModel
 from automodel.distributed import MeshContext, ModelParallelizer
+from tests.parity import compare_with_reference
 
 VOCAB = 96
 PROMPT, CANVAS = 6, 4
@@ -88,39 +88,14 @@ def diffusion_batch(batch_size: int = 8) -> dict[str, torch.Tensor]:
     }
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def compare_outputs(reference: nn.Module, model: nn.Module, context: MeshContext) -> dict[str, Any]:
-    """Forward + backward of ``mean(logits ** 2)`` on both models (the parallel one on its data-parallel rows);
-    return the largest absolute differences of the logits and of every gradient."""
-    batch = diffusion_batch()
-    ref_logits = reference(**batch).logits
-    (ref_logits**2).mean().backward()
-    rows = batch["input_ids"].shape[0] // context.dp_size
-    start = context.mesh("dp").get_local_rank() * rows
-    logits = model(**{key: value[start : start + rows] for key, value in batch.items()}).logits
-    (logits**2).mean().backward()
-    ref_params = dict(reference.named_parameters())
-    grads, without = {}, []
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            without.append(name)
-            continue
-        grads[name] = (_full(param.grad) - ref_params[name].grad).abs().max().item()
-    worst = max(grads, key=grads.__getitem__)
-    return {
-        "logits": (_full(logits).detach() - ref_logits[start : start + rows].detach()).abs().max().item(),
-        "grad": grads[worst],
-        "worst_grad": worst,
-        "n_grads": len(grads),
-        "n_ref_grads": sum(p.grad is not None for p in ref_params.values()),
-        "no_grad": without,
-        "ref_no_grad": [name for name, p in ref_params.items() if p.grad is None],
-        "same_class": isinstance(model, type(reference)),
-        "class": type(model).__name__,
-    }
+    """Forward + backward of ``mean(logits ** 2)`` on both models (the parallel one on its data-parallel rows)."""
+    result = compare_with_reference(reference, model, context, diffusion_batch(), loss_fn=_mean_square_logits)
+    return {**result, "class": type(model).__name__}
+
+
+def _mean_square_logits(output: Any) -> torch.Tensor:
+    return (output.logits**2).mean()
 
 
 def fsdp_units(model: nn.Module) -> list[str]:

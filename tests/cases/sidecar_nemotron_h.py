@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import MeshContext, ModelParallelizer
-from tests.cases.dense import compare_with_reference
+from tests.parity import compare_with_reference
 from tests.tiny_models import VOCAB, token_batch
 
 # One block of each kind: Mamba-2, attention, MLP, MoE. Heads (4 query, 2 KV) divide TP=2.

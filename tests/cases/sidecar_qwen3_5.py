@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import FSDP2Config, MeshContext, ModelParallelizer
-from tests.cases.dense import compare_with_reference
+from automodel.distributed.runtime import full_tensor
+from tests.parity import compare_with_reference
 from tests.tiny_models import VOCAB, token_batch
 
 # Parameters the sidecar model class keeps fp32 (GatedDeltaNet's decay and norm) in layer 0, the linear-attention one.
@@ -56,10 +57,6 @@ def save_checkpoint(directory: str, seed: int = 0) -> str:
         directory, max_shard_size="40KB"
     )
     return directory
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _unit_dtypes(model: nn.Module) -> dict[str, list[str]]:
@@ -112,7 +109,7 @@ def bf16_step(checkpoint: str) -> dict[str, Any]:
     )
     loss = model(input_ids=local, labels=local).loss
     loss.backward()
-    grads_finite = all(torch.isfinite(_full(p.grad)).all().item() for p in model.parameters())
+    grads_finite = all(torch.isfinite(full_tensor(p.grad)).all().item() for p in model.parameters())
     optimizer.step()
     after = model(input_ids=local, labels=local).loss
     # The same bf16 model in one process (the fp32 parameters kept, computed without FSDP's bf16 cast).

@@ -1,0 +1,215 @@
+"""The one parallelization flow. Every path runs the same steps, in the same order:
+
+    TP (expert rules dropped under EP) -> EP -> CP -> activation checkpointing -> trainability -> shard
+
+where the shard step is FSDP2 units (the experts first, over ``ep_shard``, under EP; then the dense units), DDP, or
+Megatron-FSDP. Each step is a plain function of the resolved inputs and returns one line saying what it did (or
+``None`` when it had nothing to do); ``ModelParallelizer._apply`` runs them in order and rank 0 logs the lines. The
+sidecar hooks are called from here and nowhere else, so a sidecar's policy holds on every path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+
+from .activation_checkpointing import apply_activation_checkpointing
+from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
+from .context_parallel import apply_context_parallel
+from .ddp import apply_ddp
+from .expert_parallel import apply_expert_parallel, drop_expert_rules, shard_experts, validate_experts
+from .fsdp import fully_shard_default, shard_default_units
+from .hook_policy import overrides
+from .megatron_fsdp import apply_megatron_fsdp
+from .mesh import MeshContext
+from .model_structure import decoder_layers, input_embeddings, output_embeddings
+from .tensor_parallel import TPPlanChoice, apply_tensor_parallel, check_plan_rules, choose_tp_plan
+
+if TYPE_CHECKING:
+    from .parallelizer import ModelParallelizer
+
+__all__ = [
+    "activation_checkpointing_step",
+    "context_parallel_step",
+    "expert_parallel_step",
+    "plan_tensor_parallel",
+    "shard_step",
+    "tensor_parallel_step",
+    "trainability_step",
+    "validate_expert_parallel",
+]
+
+logger = logging.getLogger(__name__)
+
+ExpertGroups = list[list[nn.Module]]
+
+
+def validate_expert_parallel(model: nn.Module, context: MeshContext) -> list[str]:
+    """The names of the routed-experts modules EP will own (empty without EP); raises before anything is touched
+    when the model cannot be split over ``ep_size``."""
+    if context.ep_size == 1:
+        return []
+    return validate_experts(model, context.ep_size, context.tp_size)
+
+
+def plan_tensor_parallel(
+    parallelizer: ModelParallelizer,
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    tp_shard_plan: Any,
+    expert_names: list[str],
+) -> TPPlanChoice | None:
+    """Choose and validate the TP plan (``None`` without TP), before anything is sharded.
+
+    Precedence: the user's plan > ``tp_shard_plan`` (the sidecar's, as ``_apply`` received it) > the model's own.
+    Under EP the rules for the routed experts are dropped (EP owns them). The model records the plan it is sharded
+    with (as transformers' own TP does), so ``_validate_tp_mesh`` and later readers see the plan actually applied.
+    """
+    if tp_mesh.size() == 1:
+        return None
+    choice = choose_tp_plan(model, tp_shard_plan, sidecar=type(parallelizer).__name__)
+    check_plan_rules(model, choice)
+    if expert_names:
+        choice = TPPlanChoice(drop_expert_rules(choice.plan, expert_names), choice.source)
+    model._tp_plan = choice.plan
+    parallelizer._validate_tp_mesh(model, tp_mesh)
+    return choice
+
+
+def tensor_parallel_step(
+    model: nn.Module, tp_mesh: DeviceMesh, choice: TPPlanChoice | None, sequence_parallel: bool
+) -> str | None:
+    """Shard the plan's parameters over ``tp`` and install its forward transforms (+ sequence parallelism)."""
+    if choice is None:
+        return None
+    apply_tensor_parallel(model, tp_mesh, choice.plan, sequence_parallel=sequence_parallel)
+    sp = ", sequence parallel" if sequence_parallel else ""
+    return f"TP over tp={tp_mesh.size()} (plan: {len(choice.plan)} rules from {choice.source}{sp})"
+
+
+def expert_parallel_step(model: nn.Module, context: MeshContext, expert_names: list[str]) -> ExpertGroups:
+    """Split the routed experts over ``ep`` and route their tokens to their owners; return the experts modules,
+    grouped with the twins that share them."""
+    if not expert_names:
+        return []
+    return apply_expert_parallel(model, context.mesh("ep"), context.mesh("tp"))
+
+
+def context_parallel_step(model: nn.Module, cp_mesh: DeviceMesh) -> str | None:
+    """Switch attention to the context-parallel kernel over ``cp``."""
+    if cp_mesh.size() == 1:
+        return None
+    apply_context_parallel(model, cp_mesh)
+    return f"CP over cp={cp_mesh.size()} on {len(decoder_layers(model))} blocks"
+
+
+def activation_checkpointing_step(
+    parallelizer: ModelParallelizer, model: nn.Module, mode: bool | str, replay_routing: bool
+) -> str | None:
+    """Checkpoint each block's attention / MLP (or whole blocks, when the sidecar's
+    ``_use_full_layer_activation_checkpointing`` says so)."""
+    if not mode:
+        return None
+    mode = "full" if mode is True else mode
+    full_layers = parallelizer._use_full_layer_activation_checkpointing(model)
+    targets = apply_activation_checkpointing(model, mode, full_layers=full_layers, replay_routing=replay_routing)
+    unit = "whole blocks" if full_layers else f"modules of {len(decoder_layers(model))} blocks"
+    return f"AC {mode} on {len(targets)} {unit}"
+
+
+def trainability_step(
+    model: nn.Module, requires_grad: dict[str, bool], reapply: Callable[[nn.Module], None] | None
+) -> str | None:
+    """Give every parameter back the ``requires_grad`` it had before parallelization (TP and EP build new
+    ``Parameter`` objects, and some styles make them trainable), then run the context's ``reapply_trainability``.
+
+    Runs after every step that could reset it and before sharding, so FSDP sees the final trainability.
+    """
+    for name, param in model.named_parameters():
+        if name in requires_grad:
+            param.requires_grad_(requires_grad[name])
+    if reapply is not None:
+        reapply(model)
+    params = list(model.parameters())
+    trainable = sum(param.requires_grad for param in params)
+    if reapply is None and trainable == len(params):
+        return None
+    source = "reapply_trainability" if reapply is not None else "as before parallelization"
+    return f"trainability ({source}): {trainable} of {len(params)} parameters trainable"
+
+
+def shard_step(
+    parallelizer: ModelParallelizer,
+    model: nn.Module,
+    context: MeshContext,
+    experts: ExpertGroups,
+    fsdp_mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    reshard_after_forward: bool | None,
+) -> tuple[nn.Module, str | None]:
+    """The strategy's wrapping: FSDP2 units, DDP, or Megatron-FSDP. Returns the model (Megatron-FSDP's wrapper) and
+    the line to log."""
+    strategy = context.strategy
+    if isinstance(strategy, DDPConfig):
+        return apply_ddp(model, context), f"DDP over dp={context.dp_size}"
+    if isinstance(strategy, MegatronFSDPConfig):
+        return apply_megatron_fsdp(model, context), f"Megatron-FSDP over dp_shard_cp={context.size('dp_shard_cp')}"
+    assert isinstance(strategy, FSDP2Config), f"unknown strategy {type(strategy).__name__}"
+    options = {"mp_policy": mp_policy, "offload_policy": offload_policy}
+    use_sidecar_primitive = not experts or parallelizer._customizes_moe_fsdp
+    primitive = parallelizer._fully_shard_module if use_sidecar_primitive else fully_shard_default
+    if experts:
+        shard_experts(
+            experts,
+            primitive,
+            mesh=context.mesh("ep_shard"),
+            batches_per_step=context.world_size // context.tp_size,
+            reshard_after_forward=reshard_after_forward,
+            **options,
+        )
+    if fsdp_mesh.size() > 1:
+        if use_sidecar_primitive or not overrides(parallelizer, "_fully_shard_module"):
+            parallelizer._apply_fsdp_sharding(
+                model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, **options
+            )
+        else:
+            # `_customizes_moe_fsdp = False`: the sidecar's primitive is not used after EP took the experts (the
+            # hook check has refused a sidecar that also chooses its own units).
+            shard_default_units(
+                model, fully_shard_default, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, **options
+            )
+    return model, _describe_fsdp_units(model, experts, context, fsdp_mesh)
+
+
+def _describe_fsdp_units(model: nn.Module, experts: ExpertGroups, context: MeshContext, mesh: DeviceMesh) -> str | None:
+    """``"FSDP2 units: 4 experts over ep_shard=2; 24 layers + embeddings + head + root over dp_shard_cp=4"``."""
+    units: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            units.setdefault(id(module._get_fsdp_state()), module)
+    if not units:
+        return None
+    expert_modules = {id(module) for group in experts for module in group}
+    layers = {id(layer) for layer in decoder_layers(model)}
+    named = {id(input_embeddings(model)): "embeddings", id(output_embeddings(model)): "head", id(model): "root"}
+    counts: dict[str, int] = {}
+    for first in units.values():
+        if id(first) in expert_modules:
+            continue
+        kind = "layers" if id(first) in layers else named.get(id(first), type(first).__name__.removeprefix("FSDP"))
+        counts[kind] = counts.get(kind, 0) + 1
+    dense = " + ".join(f"{count} {kind}" if count > 1 or kind == "layers" else kind for kind, count in counts.items())
+    mesh_name = "x".join(mesh.mesh_dim_names or ("?",))
+    line = f"FSDP2 units: {dense} over {mesh_name}={mesh.size()}"
+    if experts:
+        line = f"FSDP2 units: {len(experts)} experts over ep_shard={context.size('ep_shard')}; " + line.removeprefix(
+            "FSDP2 units: "
+        )
+    return line

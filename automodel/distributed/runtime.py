@@ -1,0 +1,41 @@
+"""Where this process stands in a run: whether it is rank 0, the device it computes on, and the whole value of a
+sharded tensor. One home for each, shared by the parallelizer, the loader, the auto classes and the training code."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from .mesh import MeshContext
+
+__all__ = ["device_of", "full_tensor", "is_rank_zero", "log_rank_zero"]
+
+
+def is_rank_zero() -> bool:
+    """True on rank 0 of the default process group, and in a process without one."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def log_rank_zero(logger: logging.Logger, message: str, *args: Any, level: int = logging.INFO) -> None:
+    """``logger.log(level, message, *args)`` on rank 0 only (every rank would print the same line)."""
+    if is_rank_zero():
+        logger.log(level, message, *args)
+
+
+def device_of(mesh_context: MeshContext | None) -> torch.device:
+    """The device this rank's shards live on: the current CUDA device under NCCL, else the CPU (also without a
+    context)."""
+    if mesh_context is not None and mesh_context.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of ``tensor``: gathered when it is a ``DTensor`` (collective: every rank of its mesh must
+    call it), else the tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

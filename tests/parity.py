@@ -1,0 +1,101 @@
+"""The one parity comparison of the test cases: a parallelized model against the same model in one plain process.
+
+Both run forward and backward in fp32; the parallel model sees its data-parallel rank's rows of the batch. The
+result holds the largest absolute differences of the outputs, the loss and every gradient (``full_tensor()`` of the
+sharded ones), plus facts the tests assert on (which parameters got no gradient, the class).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from automodel.distributed import MeshContext
+from automodel.distributed.runtime import full_tensor
+
+Batch = torch.Tensor | dict[str, torch.Tensor]
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def causal_lm_loss(output: Any) -> torch.Tensor:
+    """The model's own loss (the batch carries ``labels``)."""
+    return output.loss
+
+
+def compare_with_reference(
+    reference: nn.Module,
+    model: nn.Module,
+    context: MeshContext,
+    batch: Batch,
+    *,
+    loss_fn: LossFn | None = None,
+    output_key: str = "logits",
+) -> dict[str, Any]:
+    """Run forward + backward on both models and return the largest absolute differences.
+
+    ``batch`` is a tensor of token ids (a causal LM: ``labels`` are the ids themselves) or a dict of model inputs of
+    batch size ``B`` (every value's first dimension). ``loss_fn`` turns an output into the scalar to back-propagate
+    (default: the model's own loss); per-rank losses are averaged over ``dp``, as the data-parallel gradient is.
+    """
+    inputs = {"input_ids": batch, "labels": batch} if isinstance(batch, torch.Tensor) else dict(batch)
+    loss_fn = loss_fn or causal_lm_loss
+    ref_out = reference(**inputs)
+    ref_loss = loss_fn(ref_out)
+    ref_loss.backward()
+
+    local = local_rows(context, next(iter(inputs.values())).shape[0])
+    out = model(**{key: value[local] for key, value in inputs.items()})
+    loss = loss_fn(out)
+    loss.backward()
+
+    averaged = loss.detach().clone()
+    dist.all_reduce(averaged, group=context.mesh("dp").get_group())
+    averaged /= context.dp_size
+    grads = gradient_differences(reference, model)
+    outputs = full_tensor(getattr(out, output_key)).detach()
+    return {
+        "logits": (outputs - getattr(ref_out, output_key)[local].detach()).abs().max().item(),
+        "loss": (averaged - ref_loss.detach()).abs().item(),
+        **grads,
+        "same_class": isinstance(model, type(reference)),
+        "has_generate": callable(getattr(model, "generate", None)),
+        "has_save_pretrained": callable(getattr(model, "save_pretrained", None)),
+    }
+
+
+def local_rows(context: MeshContext, batch_size: int) -> slice:
+    """This rank's rows of a global batch of ``batch_size`` (split evenly over ``dp``)."""
+    rows = batch_size // context.dp_size
+    start = context.mesh("dp").get_local_rank() * rows
+    return slice(start, start + rows)
+
+
+def gradient_differences(reference: nn.Module, model: nn.Module) -> dict[str, Any]:
+    """The largest absolute gradient difference (and its parameter), the counts of parameters with a gradient on
+    each side, and the parameters without one (some get none by construction, e.g. an index-only router)."""
+    ref_params = dict(reference.named_parameters())
+    diffs: dict[str, float] = {}
+    without: list[str] = []
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            without.append(name)
+            continue
+        diffs[name] = (full_tensor(param.grad) - ref_params[name].grad).abs().max().item()
+    worst = max(diffs, key=diffs.__getitem__) if diffs else None
+    return {
+        "grad": diffs[worst] if worst else 0.0,
+        "worst_grad": worst,
+        "n_grads": len(diffs),
+        "n_ref_grads": sum(param.grad is not None for param in ref_params.values()),
+        "no_grad": without,
+        "ref_no_grad": [name for name, param in ref_params.items() if param.grad is None],
+    }
+
+
+def worst(result: dict[str, Any]) -> float:
+    """The largest of the output, loss and gradient differences of a comparison."""
+    return max(result["logits"], result["loss"], result["grad"])
