@@ -1,8 +1,8 @@
-"""The auto classes: resolve -> build on meta -> parallelize -> load only the local shards."""
+"""The auto classes: resolve -> build on meta -> parallelize -> load only the local shards (the shared pipeline of
+``automodel.loading.pipeline``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import warnings
@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 import transformers
 from torch import nn
 from transformers import (
@@ -24,12 +23,11 @@ from transformers import (
 from transformers.core_model_loading import build_glob_alternation
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from automodel.distributed import MeshContext, ModelParallelizer
-from automodel.distributed.megatron_fsdp import install_loaded_weights
-from automodel.loading import load_checkpoint, materialize, plan_checkpoint, resolve_checkpoint_dir
-from automodel.loading.agreement import agree_or_raise
-from automodel.loading.sharded_loader import load_into, state_tensors
-from automodel.loading.sources import InMemoryTensor
+from automodel.distributed import MeshContext
+from automodel.distributed.runtime import log_rank_zero
+from automodel.distributed.tensor_parallel import set_user_tp_plan
+from automodel.loading import CheckpointPlan, read_json, resolve_checkpoint_dir
+from automodel.loading.pipeline import build_on_every_rank, load_parallelized, transformers_model
 from automodel.lora import add_lora
 from model_sidecars import sidecar_class
 
@@ -57,7 +55,7 @@ class _NeMoAutoBase:
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
         strict: bool = True,
-        tp_plan: dict[str, str] | None = None,
+        tp_plan: dict[str, str] | str | None = None,
         peft_config: Any = None,
         torch_dtype: torch.dtype | str | None = None,
         **config_overrides: Any,
@@ -67,8 +65,9 @@ class _NeMoAutoBase:
         The same model ``transformers``' ``from_pretrained`` returns (same class, modules and numerics, in eval
         mode), with every rank holding and reading only its own shards. ``mesh_context=None`` loads it whole on
         the CPU. ``strict=False`` initialises missing tensors and ignores unexpected ones instead of raising.
-        ``tp_plan`` replaces the model's own tensor-parallel plan (transformers style names, full module names with
-        ``*`` for layer numbers), e.g. to shard only the MLPs of a model whose heads do not divide ``tp_size``.
+        ``tp_plan`` replaces the tensor-parallel plan (transformers style names, full module names with ``*`` for
+        layer numbers; ``"auto"``: the model's own), e.g. to shard only the MLPs of a model whose heads do not divide
+        ``tp_size``; it takes precedence over a sidecar's plan, and a rule that matches nothing is an error.
         ``config_overrides`` update the config, as in transformers.
         ``peft_config`` (a ``peft.LoraConfig``) adds LoRA adapters before parallelization (FSDP2 path; see
         ``automodel.lora``): only they are trainable, initialised as peft does.
@@ -82,28 +81,30 @@ class _NeMoAutoBase:
             token=token,
             trust_remote_code=trust_remote_code,
         )
-        model, error = None, None
-        try:
+
+        def build() -> nn.Module:
             config = _load_config(name_or_path, directory, trust_remote_code, config_overrides)
             model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
-        except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
-            error = exc
-        agree_or_raise(error, f"Building the model of {name_or_path}")
-        plan = plan_checkpoint(model, directory, strict=strict)
-        _set_tp_plan(model, tp_plan)
-        if peft_config is not None:
-            plan.keys.sources = add_lora(model, peft_config, mesh_context, plan.keys.sources)
-        model = _parallelize(model, mesh_context)
-        materialize(model, _device(mesh_context))
-        inner = _transformers_model(model)
-        report = load_checkpoint(inner, plan, progress=True)
-        install_loaded_weights(model)
-        if _is_rank_zero():
-            logger.info("%s from %s: %s", type(inner).__name__, directory, report.summary())
-        if (directory / "generation_config.json").is_file() and hasattr(inner, "generation_config"):
-            inner.generation_config = GenerationConfig.from_pretrained(directory)
+            generation_config = directory / "generation_config.json"
+            if generation_config.is_file() and hasattr(model, "generation_config"):
+                read_json(generation_config)  # a damaged file is reported with its path
+                model.generation_config = GenerationConfig.from_pretrained(directory)
+            return model
+
+        model = build_on_every_rank(build, f"Building the model of {name_or_path}")
+        set_user_tp_plan(model, tp_plan)
+
+        def prepare(model: nn.Module, plan: CheckpointPlan | None) -> None:
+            if peft_config is not None:
+                plan.keys.sources = add_lora(model, peft_config, mesh_context, plan.keys.sources)
+
+        loaded = load_parallelized(
+            model, mesh_context, checkpoint=directory, strict=strict, prepare=prepare, progress=True
+        )
+        inner = transformers_model(loaded.model)
+        log_rank_zero(logger, "%s from %s: %s", type(inner).__name__, directory, loaded.report.summary())
         inner.name_or_path = str(name_or_path)
-        return model.eval()
+        return loaded.model.eval()
 
     @classmethod
     def from_config(
@@ -115,7 +116,7 @@ class _NeMoAutoBase:
         seed: int = 0,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
-        tp_plan: dict[str, str] | None = None,
+        tp_plan: dict[str, str] | str | None = None,
         torch_dtype: torch.dtype | str | None = None,
     ) -> nn.Module:
         """A freshly initialised model for pretraining, parallelized for ``mesh_context``.
@@ -138,19 +139,15 @@ class _NeMoAutoBase:
         _keep_in_fp32(reference, dtype)
         if mesh_context is None:
             return reference
-        model = cls._build_on_meta(config, dtype, attn_implementation, trust_remote_code)
-        _set_tp_plan(model, tp_plan)
-        model = _parallelize(model, mesh_context)
-        materialize(model, _device(mesh_context))
-        full = dict(reference.named_parameters())
-        full.update(dict(reference.named_buffers()))
-        sources = {name: InMemoryTensor(full[name].detach()) for name, _ in state_tensors(model)}
-        load_into(model, sources, progress=False)
-        for name, buffer in model.named_buffers():
-            if name in full and name not in sources:
-                buffer.copy_(full[name])
-        del reference, full, sources
-        return model
+        model = build_on_every_rank(
+            lambda: cls._build_on_meta(config, dtype, attn_implementation, trust_remote_code),
+            f"Building the model of {type(config).__name__}",
+        )
+        set_user_tp_plan(model, tp_plan)
+        weights = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+        loaded = load_parallelized(model, mesh_context, weights=weights)
+        del reference, weights
+        return loaded.model
 
     @classmethod
     def _build_on_meta(
@@ -201,38 +198,6 @@ class NeMoAutoModel(_NeMoAutoBase):
     _auto_class = AutoModel
 
 
-def _set_tp_plan(model: nn.Module, tp_plan: dict[str, str] | None) -> None:
-    """Replace the model's TP plan through transformers' own setter (which validates the style names)."""
-    if tp_plan is None:
-        return
-    if hasattr(type(model), "tp_plan"):
-        model.tp_plan = dict(tp_plan)
-    else:
-        model._tp_plan = dict(tp_plan)
-
-
-def _parallelize(model: nn.Module, mesh_context: MeshContext | None) -> nn.Module:
-    if mesh_context is None:
-        return model
-    parallelizer = getattr(type(model), "parallelizer", None) or ModelParallelizer()
-    return parallelizer.parallelize(model, mesh_context)
-
-
-def _transformers_model(model: nn.Module) -> nn.Module:
-    """The transformers model itself, also when a strategy returned a wrapper around it (Megatron-FSDP's
-    ``MegatronFSDP`` keeps it as ``.module``)."""
-    inner = getattr(model, "module", None)
-    if not isinstance(model, PreTrainedModel) and isinstance(inner, PreTrainedModel):
-        return inner
-    return model
-
-
-def _device(mesh_context: MeshContext | None) -> torch.device:
-    if mesh_context is not None and mesh_context.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _dtype_argument(dtype: torch.dtype | str, torch_dtype: torch.dtype | str | None) -> torch.dtype | str:
     if torch_dtype is None:
         return dtype
@@ -261,7 +226,7 @@ def _load_config(
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json, so {name_or_path} is not a transformers checkpoint.")
-    raw = json.loads(config_file.read_text())
+    raw = read_json(config_file)
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
         if "auto_map" not in raw:
@@ -276,7 +241,3 @@ def _load_config(
                 "code. Pass trust_remote_code=True if you trust it."
             )
     return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **overrides)
-
-
-def _is_rank_zero() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

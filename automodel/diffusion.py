@@ -22,11 +22,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from automodel.distributed import MeshContext, ModelParallelizer
-from automodel.distributed.megatron_fsdp import install_loaded_weights
-from automodel.loading import CheckpointError, CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
+from automodel.distributed.parallelizer import parallelizer_for
 from automodel.loading.agreement import agree_or_raise
-from automodel.loading.initialization import non_persistent_buffer_names
-from automodel.loading.sharded_loader import load_into
+from automodel.loading.pipeline import build_on_every_rank, load_parallelized
 
 __all__ = ["NeMoAutoDiffusionPipeline"]
 
@@ -162,26 +160,20 @@ def _checked_selection(
 def _load_parallelized(
     subfolder: Path, component_class: type, mesh_context: MeshContext, dtype: torch.dtype | None
 ) -> nn.Module:
-    """Build on meta -> check the checkpoint -> parallelize -> allocate the local shards -> read only those."""
-    component, error = None, None
-    try:
-        component = _build_on_meta(subfolder, component_class, dtype)
-    except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
-        error = exc
-    agree_or_raise(error, f"Building the component {subfolder.name}")
-    plan = plan_checkpoint(component, subfolder)
-    parallelizer = getattr(type(component), "parallelizer", None) or ModelParallelizer()
-    _use_class_tp_plan(component, parallelizer, mesh_context)
-    parallelized = parallelizer.parallelize(component, mesh_context)
-    if not isinstance(parallelized, component_class):
+    """The shared pipeline (build on meta -> check the checkpoint -> parallelize -> allocate the local shards -> read
+    only those) for one component, which must keep its own class (the pipeline calls it by its interface)."""
+    component = build_on_every_rank(
+        lambda: _build_on_meta(subfolder, component_class, dtype), f"Building the component {subfolder.name}"
+    )
+    _use_class_tp_plan(component, parallelizer_for(component), mesh_context)
+    loaded = load_parallelized(component, mesh_context, checkpoint=subfolder)
+    if not isinstance(loaded.model, component_class):
         raise TypeError(
             f"Parallelizing {subfolder.name} with {type(mesh_context.strategy).__name__} returned a "
-            f"{type(parallelized).__name__} wrapper, but the pipeline needs a {component_class.__name__}: use the "
+            f"{type(loaded.model).__name__} wrapper, but the pipeline needs a {component_class.__name__}: use the "
             "fsdp2 or ddp strategy, which keep the component's own class."
         )
-    _load_weights(parallelized, plan, _device(mesh_context))
-    install_loaded_weights(parallelized)
-    return parallelized.eval()
+    return loaded.model.eval()
 
 
 def _use_class_tp_plan(component: nn.Module, parallelizer: ModelParallelizer, mesh_context: MeshContext) -> None:
@@ -231,32 +223,3 @@ def _build_on_meta(subfolder: Path, component_class: type, dtype: torch.dtype | 
     with init_empty_weights(include_buffers=False):
         component = component_class.from_config(component_class.load_config(subfolder))
     return component.to(dtype) if dtype is not None else component
-
-
-def _load_weights(component: nn.Module, plan: CheckpointPlan, device: torch.device) -> None:
-    """Allocate the local shards and read them; buffers a diffusers model computed at construction are kept."""
-    if isinstance(component, PreTrainedModel):
-        materialize(component, device)
-        load_checkpoint(component, plan, progress=False)
-        return
-    computed = {name: component.get_buffer(name).detach().clone() for name in non_persistent_buffer_names(component)}
-    materialize(component, device)
-    # Not `load_checkpoint`: it recomputes non-persistent buffers with transformers' `_init_weights`, which diffusers
-    # models do not have. With strict key checking nothing else is missing.
-    error = None
-    try:
-        with torch.no_grad():
-            for name, value in computed.items():
-                component.get_buffer(name).copy_(value)
-        load_into(component, plan.keys.sources, progress=False)
-    except (CheckpointError, RuntimeError, OSError) as exc:
-        error = exc
-    finally:
-        plan.files.close()
-    agree_or_raise(error, f"Reading the weights from {plan.directory}")
-
-
-def _device(mesh_context: MeshContext) -> torch.device:
-    if mesh_context.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

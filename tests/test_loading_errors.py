@@ -109,6 +109,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     (made["empty_shard"] / DAMAGED_SHARD).write_bytes(b"")
     made["bad_index"] = _copy(good, root, "bad_index")
     (made["bad_index"] / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": ')
+    made["bad_config"] = _copy(good, root, "bad_config")
+    (made["bad_config"] / "config.json").write_text("")  # a truncated download
+    made["bad_generation_config"] = _copy(good, root, "bad_generation_config")
+    (made["bad_generation_config"] / "generation_config.json").write_text('{"bos_token_id": 1,')
     made["stale_index"] = _copy(good, root, "stale_index")  # the index sends a key to a shard that lacks it
     index = json.loads((good / "model.safetensors.index.json").read_text())
     index["weight_map"][MISSING_KEY] = next(f for f in SHARDS if f != index["weight_map"][MISSING_KEY])
@@ -162,15 +166,20 @@ def _save_tiny_gpt2(directory: Path) -> Path:
 
 # name -> (error type on one process, fragments the message must contain; "{dir}" is the checkpoint directory)
 BAD_CHECKPOINTS: dict[str, tuple[str, list[str]]] = {
-    "missing_shard": ("CheckpointError", [DAMAGED_SHARD, "names files that are not in", "download is incomplete"]),
+    "missing_shard": (
+        "MissingCheckpointFileError",
+        [DAMAGED_SHARD, "names files that are not in", "download is incomplete"],
+    ),
     "truncated_shard": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "is truncated", "Download it again"]),
     "header_cut": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "is truncated: 40 bytes, its header alone takes"]),
     "empty_shard": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "is truncated: 0 bytes"]),
     "corrupt_shard": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "corrupt", "download it again"]),
     "bad_header": ("CheckpointError", ["{dir}/" + DAMAGED_SHARD, "corrupt", "header"]),
-    "bad_index": ("CheckpointError", ["{dir}/model.safetensors.index.json", "not a valid checkpoint index"]),
+    "bad_index": ("CheckpointError", ["{dir}/model.safetensors.index.json", "is not valid JSON", "Download it again"]),
+    "bad_config": ("CheckpointError", ["{dir}/config.json", "is not valid JSON", "line 1, column"]),
+    "bad_generation_config": ("CheckpointError", ["{dir}/generation_config.json", "is not valid JSON"]),
     "stale_index": ("CheckpointError", [MISSING_KEY, "checkpoint index in {dir} places", "does not hold it"]),
-    "no_weights": ("CheckpointError", ["No weights in {dir}", "model.safetensors", "pytorch_model.bin"]),
+    "no_weights": ("MissingCheckpointFileError", ["No weights in {dir}", "model.safetensors", "pytorch_model.bin"]),
     "no_config": ("FileNotFoundError", ["{dir} has no config.json", "not a transformers checkpoint"]),
     "truncated_bin": ("CheckpointError", ["{dir}/pytorch_model.bin", "truncated"]),
     "shape_mismatch": (
@@ -204,11 +213,22 @@ def test_bad_checkpoint_error_in_process(checkpoints, name):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", BAD_CHECKPOINTS)
 def test_bad_checkpoint_error_on_every_rank(ranks2, checkpoints, name):
-    _, fragments = BAD_CHECKPOINTS[name]
+    error_type, fragments = BAD_CHECKPOINTS[name]
     messages = ranks2.run(cases.load_error, str(checkpoints[name]), FSDP2, timeout=TIMEOUT_S)
     assert len(set(messages)) == 1, messages
+    assert messages[0].startswith(f"{error_type}: "), messages[0]  # the same class as in one process
     for fragment in _expected(fragments, checkpoints[name]):
         assert fragment in messages[0], f"{fragment!r} not in {messages[0]!r}"
+
+
+@pytest.mark.distributed
+def test_missing_shard_file_is_a_file_not_found_error_on_one_rank_and_on_every_rank(ranks2, checkpoints):
+    """`except FileNotFoundError` catches a missing shard whether one process or every rank of a group raises it."""
+    alone = cases.load_error_bases(str(checkpoints["missing_shard"]), None)
+    together = ranks2.run(cases.load_error_bases, str(checkpoints["missing_shard"]), FSDP2, timeout=TIMEOUT_S)
+    for bases in (alone, *together):
+        assert bases[:2] == ["MissingCheckpointFileError", "CheckpointError"], bases
+        assert "FileNotFoundError" in bases and "ValueError" in bases, bases
 
 
 def test_nonexistent_local_path_is_a_clear_error():

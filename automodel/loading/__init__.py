@@ -1,6 +1,6 @@
-"""Checkpoint I/O: hub resolution, the sharded safetensors reader, and (later) the HF-format writer."""
+"""Checkpoint I/O: hub resolution, the sharded safetensors reader, and the HF-format writer."""
 
-from .checkpoint_files import CheckpointError, CheckpointFiles, open_checkpoint
+from .checkpoint_files import CheckpointError, CheckpointFiles, MissingCheckpointFileError, open_checkpoint, read_json
 from .hub import resolve_checkpoint_dir
 from .loader import CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
 from .sharded_loader import LoadReport
@@ -10,9 +10,11 @@ __all__ = [
     "CheckpointFiles",
     "CheckpointPlan",
     "LoadReport",
+    "MissingCheckpointFileError",
     "load_checkpoint",
     "materialize",
     "open_checkpoint",
     "plan_checkpoint",
+    "read_json",
     "resolve_checkpoint_dir",
 ]

@@ -13,13 +13,14 @@ import os
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from .direct_read import SafetensorsHeader, contiguous_byte_range, read_header, read_into
 
-__all__ = ["CheckpointError", "CheckpointFiles", "open_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointFiles", "MissingCheckpointFileError", "open_checkpoint", "read_json"]
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -38,6 +39,23 @@ MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors refuses larger headers: such
 
 class CheckpointError(ValueError):
     """A checkpoint directory is incomplete, corrupt or inconsistent."""
+
+
+class MissingCheckpointFileError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs is not there (a shard its index names, or any weights at all): both a
+    ``CheckpointError`` and a ``FileNotFoundError``."""
+
+
+def read_json(path: Path) -> Any:
+    """The JSON document in ``path``; a damaged file is a ``CheckpointError`` naming it (``json`` alone names only
+    a line and column)."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}): the file is "
+            "damaged or incomplete. Download it again."
+        ) from error
 
 
 class CheckpointFiles:
@@ -194,7 +212,7 @@ def open_checkpoint(directory: Path) -> CheckpointFiles:
             weight_map = _read_index(directory / index_name)
             missing = sorted({name for name in weight_map.values() if not (directory / name).is_file()})
             if missing:
-                raise CheckpointError(
+                raise MissingCheckpointFileError(
                     f"{directory / index_name} names files that are not in {directory}: {missing}. The download is "
                     "incomplete: fetch the checkpoint again."
                 )
@@ -204,13 +222,13 @@ def open_checkpoint(directory: Path) -> CheckpointFiles:
             files.key_to_file = dict.fromkeys(_single_file_keys(directory / single_name, files, kind), single_name)
             return files
     expected = ", ".join(name for index_name, single_name, _ in WEIGHT_FILES for name in (single_name, index_name))
-    raise CheckpointError(f"No weights in {directory}: expected one of {expected}.")
+    raise MissingCheckpointFileError(f"No weights in {directory}: expected one of {expected}.")
 
 
 def _read_index(path: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        weight_map = read_json(path)["weight_map"]
+    except (KeyError, TypeError) as error:
         raise CheckpointError(f"{path} is not a valid checkpoint index (no 'weight_map'): {error}") from error
     return dict(weight_map)
 

@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from automodel.distributed.runtime import full_tensor, is_rank_zero
 
 from .agreement import agree_or_raise
 from .model_card import ModelCardInfo, push_to_hub, write_model_card
@@ -79,7 +79,7 @@ def save_hf_checkpoint(
     try:
         inner = _transformers_model(model)
         _check_arguments(inner, tokenizer, model_card)
-        if _is_rank_zero():
+        if is_rank_zero():
             _check_target(target, overwrite)
         plan = _plan_export(inner, max_shard_size)
     except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
@@ -89,7 +89,7 @@ def save_hf_checkpoint(
     try:
         error = None
         try:
-            staging = _make_staging_dir(target) if _is_rank_zero() else None
+            staging = _make_staging_dir(target) if is_rank_zero() else None
         except Exception as exc:
             error = exc
         agree_or_raise(error, f"Creating a temporary directory beside {target}")
@@ -212,7 +212,7 @@ def _gathered_files(
     converting), so that the failure is raised together after the file. A model tensor whose stored tensors spread
     over two files is kept on rank 0 until they are all written.
     """
-    keep = _is_rank_zero()
+    keep = is_rank_zero()
     pending: dict[str, torch.Tensor] = {}
     gathered: set[str] = set()
     for file_name, names in plan.files.items():
@@ -222,7 +222,7 @@ def _gathered_files(
             source = plan.source_of[name]
             if source not in gathered:
                 gathered.add(source)
-                full = _full_tensor(plan.sources[source])
+                full = full_tensor(plan.sources[source])
                 if keep and error is None:
                     try:
                         converted = revert_weight_conversion(model, {source: full.cpu()})
@@ -287,10 +287,6 @@ def _architecture_name(model: PreTrainedModel) -> str:
     return type(model).__name__.removeprefix("FSDP")
 
 
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     """A fresh meta tensor of ``tensor``'s global shape (its own storage, so sizes are counted per tensor)."""
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
@@ -300,7 +296,3 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor with a storage of its own (a conversion may return views of one larger tensor)."""
     tensor = tensor.detach().contiguous()
     return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
-
-
-def _is_rank_zero() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

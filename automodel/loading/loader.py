@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from automodel.distributed.model_structure import retie_parameters, tied_parameter_names
+from automodel.distributed.runtime import is_rank_zero
 
 from .agreement import agree_or_raise
 from .checkpoint_files import CheckpointError, CheckpointFiles, open_checkpoint
@@ -25,18 +25,31 @@ __all__ = ["CheckpointPlan", "load_checkpoint", "materialize", "plan_checkpoint"
 logger = logging.getLogger(__name__)
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> None:
-    """Allocate storage for every parameter and buffer (only the local shards of sharded ones), keeping ties."""
+def materialize(model: nn.Module, device: torch.device | str) -> set[str]:
+    """Allocate storage for every parameter and buffer still on the meta device (only the local shards of sharded
+    ones), keeping ties; return the names of the tensors it allocated.
+
+    Tensors that already hold data stay the same objects: a strategy that allocates its own parameter storage
+    (Megatron-FSDP) keeps it, and a diffusers model keeps the buffers it computed at construction.
+    """
     tied = tied_parameter_names(model)
-    if all(param.is_meta for param in model.parameters()):
+    allocated: set[str] = set()
+    if all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         model.to_empty(device=device)
+        allocated = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     else:
-        # A strategy that allocates its own parameter storage (Megatron-FSDP) has done so: only what it left on meta
-        # (buffers such as rotary frequencies) gets storage, module by module, without touching the rest.
-        for module in model.modules():
-            if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
-                module.to_empty(device=device, recurse=False)
+        for module_name, module in model.named_modules():
+            own = {**module._parameters, **module._buffers}
+            if not any(t is not None and t.is_meta for t in own.values()):
+                continue
+            kept = {name: t for name, t in own.items() if t is not None and not t.is_meta}
+            module.to_empty(device=device, recurse=False)
+            for name, tensor in kept.items():
+                (module._parameters if name in module._parameters else module._buffers)[name] = tensor
+            prefix = f"{module_name}." if module_name else ""
+            allocated |= {f"{prefix}{name}" for name, t in own.items() if t is not None and name not in kept}
     retie_parameters(model, tied)
+    return allocated
 
 
 @dataclass
@@ -66,21 +79,30 @@ def plan_checkpoint(model: nn.Module, directory: Path, *, strict: bool = True) -
     return plan
 
 
-def load_checkpoint(model: nn.Module, plan: CheckpointPlan, *, progress: bool = True, seed: int = 0) -> LoadReport:
+def load_checkpoint(
+    model: nn.Module,
+    plan: CheckpointPlan,
+    *,
+    progress: bool = True,
+    seed: int = 0,
+    recompute: set[str] | None = None,
+) -> LoadReport:
     """Fill ``model`` (parallelized and materialized) from a checked ``plan``: each rank reads only the slices of
-    its own shards; missing tensors and non-persistent buffers get the model's own init."""
+    its own shards; missing tensors get the model's own init, and so do the non-persistent buffers in ``recompute``
+    (default: all of them, as after a meta-device build)."""
     start = time.perf_counter()
     report = LoadReport()
     error = None
     try:
-        report.loaded = load_into(model, plan.keys.sources, progress=progress and _is_rank_zero())
+        report.loaded = load_into(model, plan.keys.sources, progress=progress and is_rank_zero())
     except (CheckpointError, RuntimeError, OSError) as exc:
         error = exc
     finally:
         plan.files.close()
     agree_or_raise(error, f"Reading the weights from {plan.directory}")
     report.initialized = sorted(plan.keys.missing)
-    initialize_missing(model, set(plan.keys.missing) | non_persistent_buffer_names(model), seed=seed)
+    buffers = non_persistent_buffer_names(model) if recompute is None else recompute
+    initialize_missing(model, set(plan.keys.missing) | buffers, seed=seed)
     report.bytes_read = plan.files.bytes_read
     report.seconds = time.perf_counter() - start
     report.peak_rss_bytes = peak_rss_bytes()
@@ -132,7 +154,3 @@ def _fold_tied_aliases(plan: KeyPlan, aliases: dict[str, str]) -> None:
 def _listing(names: list[str], limit: int = 20) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _is_rank_zero() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

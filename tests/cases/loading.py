@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import MeshContext, ModelParallelizer
-from tests.cases.dense import compare_with_reference
+from tests.parity import compare_with_reference
 from tests.tiny_models import token_batch
 
 

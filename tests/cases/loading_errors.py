@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import MeshContext
+from automodel.distributed.runtime import full_tensor
 from automodel.loading import resolve_checkpoint_dir
 from tests.tiny_models import token_batch
 
@@ -30,10 +31,6 @@ def _context(layout: dict[str, Any] | None) -> MeshContext | None:
     return MeshContext.build(**layout) if layout is not None else None
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def load_error(checkpoint: str | list[str], layout: dict[str, Any] | None, **kwargs: Any) -> str:
     """``"<ErrorType>: <message>"`` of what ``from_pretrained`` raises on this rank, or ``"no error"``.
 
@@ -47,6 +44,15 @@ def load_error(checkpoint: str | list[str], layout: dict[str, Any] | None, **kwa
     return "no error"
 
 
+def load_error_bases(checkpoint: str, layout: dict[str, Any] | None) -> list[str]:
+    """The class names of the exception ``from_pretrained`` raises (its whole MRO), or ``[]`` when it loads."""
+    try:
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=_context(layout))
+    except Exception as error:  # the classes are what the test checks
+        return [cls.__name__ for cls in type(error).__mro__]
+    return []
+
+
 def loaded_logits(checkpoint: str, layout: dict[str, Any] | None, **kwargs: Any) -> dict[str, Any]:
     """Load ``checkpoint`` with ``from_pretrained(..., **kwargs)``; compare its logits with plain transformers'
     ``from_pretrained`` of the same ``checkpoint`` and ``kwargs`` (hub ids included)."""
@@ -55,7 +61,7 @@ def loaded_logits(checkpoint: str, layout: dict[str, Any] | None, **kwargs: Any)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, **reference_kwargs)
     batch = token_batch()
     with torch.no_grad():
-        logits = _full(model(batch).logits)
+        logits = full_tensor(model(batch).logits)
         expected = reference(batch).logits
     return {
         "logits": (logits - expected).abs().max().item(),
@@ -81,11 +87,12 @@ def initialised_missing_tensor(checkpoint: str, layout: dict[str, Any] | None, n
     parameters = dict(model.named_parameters())
     missing = parameters.pop(name)
     others = [
-        (_full(parameter).detach() - reference[other]).abs().max().item() for other, parameter in parameters.items()
+        (full_tensor(parameter).detach() - reference[other]).abs().max().item()
+        for other, parameter in parameters.items()
     ]
     local = missing.to_local() if isinstance(missing, DTensor) else missing
     return {
-        "value": _full(missing).detach().clone(),
+        "value": full_tensor(missing).detach().clone(),
         "local_shape": tuple(local.shape),
         "others": max(others),
         "on_meta": [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta],

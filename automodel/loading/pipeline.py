@@ -1,0 +1,108 @@
+"""The one loading pipeline, shared by the auto classes (``from_pretrained``, ``from_config``) and by
+``NeMoAutoDiffusionPipeline``'s components:
+
+    build on meta -> check the checkpoint -> prepare -> parallelize -> materialize the local shards -> fill them
+
+Every step that can fail on one rank only (building, checking, reading) is agreed on by every rank before the next
+collective, so a failure is raised everywhere with its own exception class instead of leaving ranks waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from automodel.distributed import MeshContext
+from automodel.distributed.megatron_fsdp import install_loaded_weights
+from automodel.distributed.parallelizer import parallelizer_for
+from automodel.distributed.runtime import device_of
+
+from .agreement import agree_or_raise
+from .initialization import non_persistent_buffer_names
+from .loader import CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
+from .sharded_loader import LoadReport, load_into, state_tensors
+from .sources import InMemoryTensor
+
+__all__ = ["Loaded", "build_on_every_rank", "load_parallelized", "transformers_model"]
+
+Prepare = Callable[[nn.Module, CheckpointPlan | None], None]
+
+
+@dataclass
+class Loaded:
+    """A parallelized, filled model (Megatron-FSDP's wrapper around it, under that strategy) and what its load did."""
+
+    model: nn.Module
+    report: LoadReport
+
+
+def build_on_every_rank(build: Callable[[], nn.Module], what: str) -> nn.Module:
+    """``build()``, with a failure on any rank raised on every rank (no rank goes on alone into a collective)."""
+    model, error = None, None
+    try:
+        model = build()
+    except Exception as exc:  # raised below on every rank, with its own class
+        error = exc
+    agree_or_raise(error, what)
+    return model
+
+
+def load_parallelized(
+    model: nn.Module,
+    mesh_context: MeshContext | None,
+    *,
+    checkpoint: Path | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    strict: bool = True,
+    prepare: Prepare | None = None,
+    progress: bool = False,
+) -> Loaded:
+    """Turn ``model`` (built on the meta device) into a parallelized model holding its weights.
+
+    The weights come from the ``checkpoint`` directory (each rank reading only the slices of its shards; checked
+    against the model first, with ``strict`` key matching) or from full in-memory ``weights`` by name (``from_config``
+    copies each rank's shards out of them). ``prepare(model, plan)`` runs after the check and before
+    parallelization (LoRA injection). Without ``mesh_context`` the model is filled whole on the CPU.
+    """
+    if (checkpoint is None) == (weights is None):
+        raise ValueError("load_parallelized needs exactly one of `checkpoint` and `weights`.")
+    plan = plan_checkpoint(model, checkpoint, strict=strict) if checkpoint is not None else None
+    if prepare is not None:
+        prepare(model, plan)
+    if mesh_context is not None:
+        model = parallelizer_for(model).parallelize(model, mesh_context)
+    allocated = materialize(model, device_of(mesh_context))
+    inner = transformers_model(model)
+    # Non-persistent buffers the build computed for real (a diffusers model's) are kept; those it left on meta are
+    # computed again, as transformers does after a meta-device build.
+    recompute = non_persistent_buffer_names(inner) & allocated
+    if plan is not None:
+        report = load_checkpoint(inner, plan, progress=progress, recompute=recompute)
+    else:
+        report = _fill_from_weights(inner, weights)
+    install_loaded_weights(model)
+    return Loaded(model, report)
+
+
+def _fill_from_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> LoadReport:
+    sources = {name: InMemoryTensor(weights[name].detach()) for name, _ in state_tensors(model) if name in weights}
+    loaded = load_into(model, sources, progress=False)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in weights and name not in sources:
+                buffer.copy_(weights[name])
+    return LoadReport(loaded=loaded)
+
+
+def transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model itself, also when a strategy returned a wrapper around it (Megatron-FSDP's
+    ``MegatronFSDP`` keeps it as ``.module``)."""
+    inner = getattr(model, "module", None)
+    if not isinstance(model, PreTrainedModel) and isinstance(inner, PreTrainedModel):
+        return inner
+    return model
