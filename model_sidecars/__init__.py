@@ -15,6 +15,7 @@ SIDECAR_CLASSES: dict[str, str] = {
     "DiffusionGemmaForBlockDiffusion": "model_sidecars.diffusion_gemma.model.DiffusionGemmaForBlockDiffusion",
     "NemotronHForCausalLM": "model_sidecars.nemotron_h.model.NemotronHForCausalLM",
     "Qwen3_5ForCausalLM": "model_sidecars.qwen3_5.model.Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "model_sidecars.qwen3_5.model.Qwen3_5MoeForCausalLM",
 }
 
 

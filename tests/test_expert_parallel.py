@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cases.context_parallel import cp_parity
-from tests.cases.expert_parallel import ep_error, ep_parity, moe_fsdp_primitive
+from tests.cases.expert_parallel import ep_error, ep_parity, moe_fsdp_primitive, parity_or_refusal
 
 pytestmark = pytest.mark.distributed
 
@@ -95,3 +95,26 @@ def test_bad_expert_layouts_are_clear_errors(request, world, layout, architectur
         ep_error, {"strategy": "fsdp2", **layout}, architecture, **overrides
     ):
         assert expected in message, message
+
+
+# Sequence parallelism has one answer per model on both paths: the routed-experts block runs on the whole sequence
+# whether TP shards its experts (dense path) or EP owns them; OLMoE's attention gathers its colwise output (per-layer
+# q/k norms over the whole width), which SP cannot follow on either path.
+SP_ANSWERS = {"mixtral": None, "qwen3_moe": None, "olmoe": "TP style 'colwise_gather_output' of model.layers.0"}
+
+
+@pytest.mark.parametrize("architecture", SP_ANSWERS)
+def test_sequence_parallel_has_one_answer_with_and_without_ep(ranks4, architecture):
+    answers = []
+    for layout in ({"tp_size": 2}, {"ep_size": 2, "tp_size": 2}):
+        results = ranks4.run(
+            parity_or_refusal, {"strategy": "fsdp2", "sequence_parallel": True, **layout}, architecture
+        )
+        refusal = results[0]["refused"]
+        assert all(result["refused"] == refusal for result in results), results
+        if refusal is None:
+            _assert_parity(results)
+        answers.append(refusal)
+    assert answers[0] == answers[1], answers
+    expected = SP_ANSWERS[architecture]
+    assert (answers[0] is None) if expected is None else (expected in answers[0]), answers[0]

@@ -82,3 +82,90 @@ def test_fully_shard_by_dtype_makes_dtype_uniform_units(ranks2):
     for result in ranks2.run(hooks.dtype_grouping):
         assert result["units"] == {"<root>": ["torch.bfloat16"], "gate": ["torch.float32"]}
         assert result["grads"]
+
+
+# ------------------------------------------------------------------------------------ one flow, hooks on every path
+
+
+def test_megatron_fsdp_refuses_a_sidecar_fsdp_primitive_before_touching_the_model(ranks2):
+    for message in ranks2.run(hooks.path_refusal, "recording", {"strategy": "megatron_fsdp"}):
+        assert message.startswith("ValueError: RecordingParallelizer overrides `_fully_shard_module`"), message
+        assert "the Megatron-FSDP path" in message and "strategy='fsdp2'" in message, message
+        assert message.endswith("(untouched=True)"), message
+
+
+def test_moe_path_refuses_units_and_primitive_without_the_capability(ranks4):
+    messages = ranks4.run(hooks.path_refusal, "units_and_primitive", {"strategy": "fsdp2", "ep_size": 2}, "mixtral")
+    assert len(set(messages)) == 1, messages
+    assert "UnitsAndPrimitiveParallelizer overrides `_apply_fsdp_sharding` and `_fully_shard_module`" in messages[0]
+    assert "`_customizes_moe_fsdp = True`" in messages[0] and "unified MoE path (ep_size=2)" in messages[0]
+    assert messages[0].endswith("(untouched=True)"), messages[0]
+
+
+def test_ddp_runs_a_sidecar_with_fsdp_hooks_without_them(ranks2):
+    """DDP has no FSDP units: the unit hooks have nothing to act on (rank 0 logs that); the model is replicated."""
+    assert ranks2.run(hooks.path_refusal, "recording", {"strategy": "ddp"}) == ["no error"] * 2
+
+
+def test_megatron_fsdp_with_context_parallel_is_refused_at_build(ranks2):
+    for message in ranks2.run(hooks.build_error, {"strategy": "megatron_fsdp", "cp_size": 2}):
+        assert message.startswith("ValueError: strategy='megatron_fsdp' with cp_size=2 is not supported"), message
+
+
+@pytest.mark.parametrize(
+    ("layout", "architecture", "expected"),
+    [
+        (
+            {"strategy": "fsdp2", "tp_size": 2, "activation_checkpointing": True},
+            "llama",
+            [
+                "Parallelizing LlamaForCausalLM with ModelParallelizer on the dense FSDP2 path",
+                "TP over tp=2 (plan: 9 rules from the model)",
+                "AC full on 4 modules of 2 blocks",
+                "FSDP2 units: 2 layers + embeddings + LlamaRMSNorm + head + root over dp_shard_cp=2",
+            ],
+        ),
+        (
+            {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2, "activation_checkpointing": "selective"},
+            "mixtral",
+            [
+                "Parallelizing MixtralForCausalLM with ModelParallelizer on the unified MoE path (ep_size=2)",
+                "TP over tp=2 (plan: 6 rules from the model)",
+                "EP over ep=2: 2 experts modules",
+                "AC selective on 4 modules of 2 blocks",
+                "FSDP2 units: 2 experts over ep_shard=2; 2 layers + embeddings + MixtralRMSNorm + head + root over "
+                "dp_shard_cp=2",
+            ],
+        ),
+        (
+            {"strategy": "ddp", "activation_checkpointing": True},
+            "llama",
+            [
+                "Parallelizing LlamaForCausalLM with ModelParallelizer on the DDP path",
+                "AC full on 4 modules of 2 blocks",
+                "DDP over dp=4",
+            ],
+        ),
+    ],
+    ids=["fsdp2_tp_ac", "ep_tp_sac", "ddp_ac"],
+)
+def test_rank_zero_logs_one_line_per_applied_step(ranks4, layout, architecture, expected):
+    lines = ranks4.run(hooks.parallelize_log, layout, architecture)
+    assert lines[0] == expected, lines[0]
+    assert lines[1:] == [[], [], []]
+
+
+def test_model_without_declared_blocks_uses_its_repeated_blocks(ranks4):
+    """`_no_split_modules` cleared: the decoder layers are still the FSDP units and the AC blocks, found in the
+    module tree, and the model matches plain transformers."""
+    for result in ranks4.run(hooks.without_declared_blocks, {"strategy": "fsdp2", "activation_checkpointing": True}):
+        assert result["units"] == [
+            "",
+            "lm_head",
+            "model.embed_tokens",
+            "model.layers.0",
+            "model.layers.1",
+            "model.norm",
+        ]
+        assert result["checkpointed"] == [f"model.layers.{i}.{block}" for i in (0, 1) for block in ("mlp", "self_attn")]
+        assert max(result["logits"], result["loss"], result["grad"]) <= 1e-5, result

@@ -65,6 +65,25 @@ def test_moe_path_uses_the_sidecar_primitive(ranks4, checkpoint):
     assert dense[-1] == "DeepseekV4ForCausalLM@('dp_shard_cp',)", calls
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2},
+        # Sequence parallelism has one answer on both paths: the mHC mixers, the attention (which the plan leaves
+        # replicated) and the routed-experts block run on the whole sequence, the norms on sequence shards.
+        {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True},
+        {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2, "sequence_parallel": True},
+    ],
+    ids=["ep2_x_tp2", "tp2_sp", "ep2_x_tp2_sp"],
+)
+def test_tensor_and_expert_parallel_layouts(ranks4, checkpoint, layout):
+    results = ranks4.run(loaded_parity, checkpoint, layout)
+    _assert_parity(results)
+    calls = results[0]["shard_calls"]
+    if layout.get("ep_size", 1) > 1:
+        assert calls[:3] == ["DeepseekV4Experts@('ep_shard',)"] * 3, calls
+
+
 def test_bf16_step_keeps_fp32_parameters_fp32(ranks4, checkpoint):
     for result in ranks4.run(bf16_step, checkpoint):
         assert result["n_kept"] > 0 and result["n_computed"] == result["n_params"], result

@@ -38,9 +38,17 @@ def _assert_parity(result: dict) -> None:
     assert max(result["logits"], result["grad"]) <= TOLERANCE, result
 
 
-@pytest.mark.parametrize(
-    "layout", [{"strategy": "fsdp2"}, {"strategy": "fsdp2", "tp_size": 2}], ids=["fsdp2_dp4", "fsdp2_tp_2x2"]
-)
+LAYOUTS = {
+    "fsdp2_dp4": {"strategy": "fsdp2"},
+    "fsdp2_tp_2x2": {"strategy": "fsdp2", "tp_size": 2},
+    # The unified MoE path: EP places the encoder's experts and their decoder twins alike, and each twin pair of
+    # experts is one unit over ep_shard; the sidecar's twin-layer units and primitive hold there too.
+    "ep2": {"strategy": "fsdp2", "ep_size": 2},
+    "ep2_x_tp2": {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_loaded_parity(ranks4, checkpoint, layout):
     for result in ranks4.run(loaded_parity, checkpoint, layout):
         assert result["sidecar"], "NeMoAutoModel must build the registered sidecar class, with its PARALLELIZER"
@@ -48,6 +56,10 @@ def test_loaded_parity(ranks4, checkpoint, layout):
         assert result["tied_head"] and result["tied_layers"], "tied parameters must stay one parameter"
         text_units = [unit for unit in result["units"] if unit.startswith(TEXT_LAYERS)]
         assert text_units == SIDECAR_TEXT_UNITS, result["units"]
+        expected = {"_apply_fsdp_sharding@dp_shard_cp", "_fully_shard_module@dp_shard_cp"}
+        if layout.get("ep_size", 1) > 1:
+            expected.add("_fully_shard_module@ep_shard")  # the twin experts, through the sidecar's primitive
+        assert result["hooks"] == sorted(expected), result["hooks"]
 
 
 def test_sidecar_units_differ_from_the_default_and_parity_holds_with_both(ranks4, checkpoint):

@@ -95,6 +95,68 @@ def test_sequence_parallel_is_refused_with_the_reason(ranks4, checkpoint):
     assert "sequence_parallel=False" in messages[0]
 
 
+# The unified MoE path: the sidecar's `_apply` (refusals, AC on the mixers, its TP plan) and its dtype-uniform units
+# hold there too; EP owns the routed experts instead of TP.
+EP_LAYOUTS = {
+    "ep2": {"strategy": "fsdp2", "ep_size": 2},
+    "ep2_full_ac": {"strategy": "fsdp2", "ep_size": 2, "activation_checkpointing": "full"},
+    "ep2_x_tp2": {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", EP_LAYOUTS.values(), ids=EP_LAYOUTS.keys())
+def test_expert_parallel_keeps_the_sidecar_policy(ranks4, checkpoint, layout):
+    results = ranks4.run(cases.loaded_parity, checkpoint, layout)
+    _assert_parity(results)
+    result = results[0]
+    assert result["hooks"] == ["_apply", "_apply_fsdp_sharding@dp_shard_cp"], result["hooks"]
+    tp = layout.get("tp_size", 1) > 1
+    assert result["tp_sharded"] == ([name for name in SIDECAR_TP if name != "experts_up"] if tp else []), result
+    assert result["checkpointed"] == (CHECKPOINTED if layout.get("activation_checkpointing") else []), result
+    # The experts are a unit of their own (over ep_shard), inside the sidecar's per-block units.
+    assert "model.layers.3.mixer.experts" in result["fsdp_units"], result["fsdp_units"]
+    assert all(f"model.layers.{i}" in result["fsdp_units"] for i in range(len(cases.LAYER_TYPES)))
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_gets_the_same_refusal_with_and_without_ep(ranks4, checkpoint):
+    dense = ranks4.run(cases.refusal, checkpoint, {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True})
+    moe = ranks4.run(
+        cases.refusal, checkpoint, {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2, "sequence_parallel": True}
+    )
+    assert set(dense) == set(moe) and len(set(moe)) == 1, (dense, moe)
+    assert "Sequence parallelism is not supported for Nemotron-H" in moe[0]
+
+
+@pytest.mark.distributed
+def test_bf16_step_under_ep_keeps_the_dtype_uniform_units(ranks4, checkpoint):
+    """Without the sidecar's units this fails exactly as the issue reported: "FSDP expects uniform original
+    parameter dtype but got {torch.bfloat16, torch.float32}"."""
+    for result in ranks4.run(cases.bf16_step, checkpoint, {"ep_size": 2}):
+        assert result["fp32"] == ["model.layers.3.mixer.gate.weight"], result
+        assert result["mixed_units"] == [] and result["experts_unit"], result
+        assert result["loss_finite"] and result["grads_finite"], result
+
+
+@pytest.mark.distributed
+def test_user_tp_plan_overrides_the_sidecar_plan(ranks4, checkpoint):
+    """`from_pretrained(tp_plan=...)` > the sidecar's plan > the model's own: only the MLP is sharded here."""
+    plan = {"model.layers.*.mixer.up_proj": "colwise", "model.layers.*.mixer.down_proj": "rowwise"}
+    results = ranks4.run(cases.loaded_parity, checkpoint, {"strategy": "fsdp2", "tp_size": 2}, plan)
+    _assert_parity(results)
+    assert results[0]["tp_sharded"] == ["mlp_down", "mlp_up"], results[0]
+
+
+@pytest.mark.distributed
+def test_user_tp_plan_rule_that_matches_nothing_is_an_error(ranks4, checkpoint):
+    plan = {"model.layers.*.mixer.up_projection": "colwise", "model.layers.*.mixer.down_proj": "rowwise"}
+    messages = ranks4.run(cases.refusal, checkpoint, {"strategy": "fsdp2", "tp_size": 2}, plan)
+    assert len(set(messages)) == 1, messages
+    assert "tp_plan rules ['model.layers.*.mixer.up_projection'] match no parameter or module" in messages[0]
+    assert "NemotronHForCausalLM" in messages[0]
+
+
 def _meta_model() -> nn.Module:
     with torch.device("meta"):
         return NemotronHForCausalLM._from_config(cases.tiny_config())

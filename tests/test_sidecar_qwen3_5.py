@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
-from model_sidecars.qwen3_5.model import Qwen3_5ForCausalLM
+from model_sidecars import sidecar_class
+from model_sidecars.qwen3_5.model import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from model_sidecars.qwen3_5.parallelization import PARALLELIZER
 from tests.cases import sidecar_qwen3_5 as cases
 
@@ -62,9 +63,37 @@ def test_default_parallelizer_mixes_dtypes_in_one_unit_and_fails(ranks4, checkpo
     assert result["sidecar"] == {"mixed_units": [], "error": ""}, result
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> str:
+    return cases.save_checkpoint(str(tmp_path_factory.mktemp("qwen3_5_moe")), moe=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout",
+    [{"strategy": "fsdp2", "ep_size": 2}, {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2}],
+    ids=["ep2", "ep2_x_tp2"],
+)
+def test_moe_variant_under_expert_parallelism(ranks4, moe_checkpoint, layout):
+    """Qwen3.5-MoE takes the unified MoE path with the sidecar's dtype-uniform units (its hook runs there)."""
+    results = ranks4.run(cases.loaded_parity, moe_checkpoint, layout)
+    _assert_parity(results)
+    assert results[0]["hooks"] == ["_apply_fsdp_sharding@dp_shard_cp"], results[0]["hooks"]
+
+
+@pytest.mark.distributed
+def test_moe_variant_bf16_step_under_expert_parallelism(ranks4, moe_checkpoint):
+    for result in ranks4.run(cases.bf16_step, moe_checkpoint, {"ep_size": 2}):
+        assert result["fp32"] == cases.FP32_PARAMETERS, result
+        assert result["finite"], result
+        assert all(len(dtypes) == 1 for dtypes in result["unit_dtypes"].values()), result["unit_dtypes"]
+        assert result["computed_in"] == dict.fromkeys(["A_log", "dt_bias", "norm.weight"], "torch.float32"), result
+
+
 def test_registry_class_carries_the_sidecar():
-    assert Qwen3_5ForCausalLM.parallelizer is PARALLELIZER
-    assert Qwen3_5ForCausalLM.__name__ == "Qwen3_5ForCausalLM"  # save_pretrained writes a known architecture
+    for cls in (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM):
+        assert cls.parallelizer is PARALLELIZER
+        assert sidecar_class(cls.__name__) is cls  # save_pretrained writes a name transformers and the registry know
 
 
 def test_bf16_loading_keeps_fp32_parameters_where_transformers_does_not(checkpoint):

@@ -23,7 +23,7 @@ from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
 from .expert_parallel import apply_expert_parallel, drop_expert_rules, shard_experts, validate_experts
-from .fsdp import fully_shard_default, shard_default_units
+from .fsdp import fully_shard_default, shard_default_units, unshard_for_outside_calls
 from .hook_policy import overrides
 from .megatron_fsdp import apply_megatron_fsdp
 from .mesh import MeshContext
@@ -185,6 +185,7 @@ def shard_step(
             shard_default_units(
                 model, fully_shard_default, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, **options
             )
+    unshard_for_outside_calls(model)
     return model, _describe_fsdp_units(model, experts, context, fsdp_mesh)
 
 
@@ -198,18 +199,16 @@ def _describe_fsdp_units(model: nn.Module, experts: ExpertGroups, context: MeshC
         return None
     expert_modules = {id(module) for group in experts for module in group}
     layers = {id(layer) for layer in decoder_layers(model)}
-    named = {id(input_embeddings(model)): "embeddings", id(output_embeddings(model)): "head", id(model): "root"}
-    counts: dict[str, int] = {}
+    named = {id(input_embeddings(model)): "embeddings", id(output_embeddings(model)): "head"}
+    counts: dict[str, int] = {"layers": 0}
     for first in units.values():
-        if id(first) in expert_modules:
+        if id(first) in expert_modules or first is model:
             continue
         kind = "layers" if id(first) in layers else named.get(id(first), type(first).__name__.removeprefix("FSDP"))
         counts[kind] = counts.get(kind, 0) + 1
-    dense = " + ".join(f"{count} {kind}" if count > 1 or kind == "layers" else kind for kind, count in counts.items())
-    mesh_name = "x".join(mesh.mesh_dim_names or ("?",))
-    line = f"FSDP2 units: {dense} over {mesh_name}={mesh.size()}"
+    parts = [f"{count} {kind}" if count > 1 or kind == "layers" else kind for kind, count in counts.items() if count]
+    over = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+    line = " + ".join([*parts, "root"]) + f" over {over}"
     if experts:
-        line = f"FSDP2 units: {len(experts)} experts over ep_shard={context.size('ep_shard')}; " + line.removeprefix(
-            "FSDP2 units: "
-        )
-    return line
+        line = f"{len(experts)} experts over ep_shard={context.size('ep_shard')}; {line}"
+    return f"FSDP2 units: {line}"

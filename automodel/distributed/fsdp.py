@@ -20,6 +20,7 @@ __all__ = [
     "fully_shard_by_dtype",
     "fully_shard_default",
     "shard_default_units",
+    "unshard_for_outside_calls",
 ]
 
 ShardFn = Callable[..., nn.Module]
@@ -130,3 +131,33 @@ def _direct_param_owners(module: nn.Module) -> list[tuple[nn.Module, list[nn.Par
         if params:
             owners.append((sub, params))
     return owners
+
+
+def unshard_for_outside_calls(model: nn.Module) -> int:
+    """Let the model call a submodule of an FSDP unit from outside that unit's forward; return the number of guards.
+
+    Some models reach into a block from outside it: DiT's output head runs ``transformer_blocks[0].norm1.emb`` after
+    the block loop, when block 0's unit has been resharded, and its parameters are shards (FSDP2 fails with "mixed
+    torch.Tensor and DTensor"). Every module owning parameters of a (non-root) unit gets a forward pre-hook that
+    unshards the unit when it finds it sharded, which happens only on such an outside call: inside the unit's own
+    forward (or its backward recomputation) the unit is unsharded already. The unit then stays unsharded until its
+    backward, which reshards it after reducing the gradients of both uses.
+    """
+    guards = 0
+    for unit in model.modules():
+        if unit is model or not isinstance(unit, FSDPModule):
+            continue
+        groups = unit._get_fsdp_state()._fsdp_param_groups
+        for module, _ in _direct_param_owners(unit):
+            if module is not unit:
+                module.register_forward_pre_hook(_unshard_if_sharded(unit, groups))
+                guards += 1
+    return guards
+
+
+def _unshard_if_sharded(unit: FSDPModule, groups: list) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        if not all(group.is_unsharded for group in groups):
+            unit.unshard()
+
+    return hook

@@ -57,8 +57,8 @@ def check_hooks(parallelizer: ModelParallelizer, context: MeshContext) -> None:
     strategy = context.strategy
     if isinstance(strategy, MegatronFSDPConfig):
         raise ValueError(
-            f"{sidecar} overrides {_listing(overridden)}, which choose FSDP2 units and their primitive; {path} shards "
-            "by unit classes with its own primitive and cannot apply them. Use strategy='fsdp2' for this model."
+            f"{sidecar} overrides {_listing(overridden)} (how the model is cut into FSDP2 units and sharded); {path} "
+            "shards by unit classes with its own primitive and cannot apply that. Use strategy='fsdp2' for this model."
         )
     if isinstance(strategy, DDPConfig):
         log_rank_zero(

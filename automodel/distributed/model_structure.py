@@ -35,9 +35,10 @@ _REPORTED: weakref.WeakSet = weakref.WeakSet()
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, in module order: the units of FSDP and activation checkpointing.
 
-    The modules whose class name is in ``_no_split_modules``; for a model that declares none (or none of whose
-    declared classes occur in it), the members of its ``ModuleList`` s of one block class (:func:`repeated_blocks`),
-    logged once. Raises a ``ValueError`` naming the class only when neither exists.
+    The modules whose class name is in ``_no_split_modules`` (or, for a diffusers model, ``_repeated_blocks``); for a
+    model that declares none (or none of whose declared classes occur in it), the members of its ``ModuleList`` s of
+    one block class (:func:`repeated_blocks`), logged once. Raises a ``ValueError`` naming the class only when neither
+    exists.
     """
     declared = _declared_blocks(model)
     if declared:
@@ -63,8 +64,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _declared_blocks(model: nn.Module) -> list[nn.Module]:
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [module for module in model.modules() if module is not model and type(module).__name__ in names]
+    """The blocks of the classes the model declares: transformers' ``_no_split_modules``, else diffusers'
+    ``_repeated_blocks`` (the block classes it compiles regionally)."""
+    names = set(getattr(model, "_no_split_modules", None) or getattr(model, "_repeated_blocks", None) or ())
+    if not names:
+        return []
+    # By class name, as transformers matches them; through the MRO, so that a block FSDP2 has wrapped (its class
+    # becomes a subclass, FSDPLlamaDecoderLayer) or a sidecar subclasses is still found.
+    layers = [
+        module
+        for module in model.modules()
+        if module is not model and any(cls.__name__ in names for cls in type(module).__mro__)
+    ]
     return _outermost(layers)
 
 

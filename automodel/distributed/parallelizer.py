@@ -65,8 +65,8 @@ class ModelParallelizer:
         (every rank must then hold the same ones). Every request that cannot be honoured raises before the model is
         touched, identically on every rank.
         """
-        _check_strategy(mesh_context)
         check_hooks(self, mesh_context)
+        _check_strategy(mesh_context)
         log_rank_zero(
             logger, "Parallelizing %s with %s on %s", type(model).__name__, type(self).__name__, path_name(mesh_context)
         )

@@ -1,4 +1,5 @@
-"""The Qwen3.5 text causal LM as the registry loads it: GatedDeltaNet's decay and norm parameters kept in fp32."""
+"""The Qwen3.5 text causal LMs (dense and MoE) as the registry loads them: GatedDeltaNet's decay and norm parameters
+kept in fp32."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import transformers
 
 from .parallelization import PARALLELIZER
 
-__all__ = ["Qwen3_5ForCausalLM"]
+__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 class Qwen3_5ForCausalLM(transformers.Qwen3_5ForCausalLM):
@@ -23,3 +24,13 @@ class Qwen3_5ForCausalLM(transformers.Qwen3_5ForCausalLM):
 
 
 Qwen3_5ForCausalLM.parallelizer = PARALLELIZER
+
+
+class Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeForCausalLM):
+    """transformers' ``Qwen3_5MoeForCausalLM`` (GatedDeltaNet and attention over routed experts), with the same fp32
+    parameters and dtype-uniform FSDP units as the dense Qwen3.5; its experts take the unified MoE path under EP."""
+
+    _keep_in_fp32_modules_strict = Qwen3_5ForCausalLM._keep_in_fp32_modules_strict
+
+
+Qwen3_5MoeForCausalLM.parallelizer = PARALLELIZER

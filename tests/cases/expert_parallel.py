@@ -82,3 +82,14 @@ def moe_fsdp_primitive(customizes_moe_fsdp: bool) -> dict[str, Any]:
         "fsdp_units": units,
         **compare_with_reference(reference, model, context, token_batch()),
     }
+
+
+def parity_or_refusal(layout: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Parity of a tiny model parallelized for ``layout`` (dense or EP), or the ``ValueError`` it is refused with."""
+    context = MeshContext.build(**layout)
+    reference = build_model(tiny_config(architecture))
+    try:
+        model = ModelParallelizer().parallelize(copy.deepcopy(reference), context)
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"refused": None, **compare_with_reference(reference, model, context, token_batch())}

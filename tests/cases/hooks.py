@@ -211,3 +211,76 @@ def fail_on_rank(failing_rank: int) -> int:
 
 def rank_id() -> int:
     return dist.get_rank()
+
+
+class UnitsAndPrimitiveParallelizer(ModelParallelizer):
+    """Chooses its own units and primitive, but does not declare the primitive safe on the MoE path."""
+
+    def _apply_fsdp_sharding(self, model, *, mesh, **kwargs):
+        return super()._apply_fsdp_sharding(model, mesh=mesh, **kwargs)
+
+    def _fully_shard_module(self, module, **kwargs):
+        return fully_shard_default(module, **kwargs)
+
+
+def path_refusal(parallelizer_name: str, layout: dict[str, Any], architecture: str = "llama") -> str:
+    """``"<ErrorType>: <message>"`` of what ``parallelize`` raises for a sidecar on the path ``layout`` selects (a
+    Megatron-FSDP layout is built field by field: ``MeshContext.build`` needs CUDA for it), or ``"no error"``."""
+    from automodel.distributed import MegatronFSDPConfig
+    from tests.tiny_models import tiny_config
+
+    parallelizer = {"units_and_primitive": UnitsAndPrimitiveParallelizer, "recording": RecordingParallelizer}[
+        parallelizer_name
+    ]()
+    if layout.get("strategy") == "megatron_fsdp":
+        context = MeshContext(device_mesh=MeshContext.build("fsdp2").device_mesh, strategy=MegatronFSDPConfig())
+    else:
+        context = MeshContext.build(**layout)
+    model = build_model(tiny_config(architecture))
+    try:
+        parallelizer.parallelize(model, context)
+    except (ValueError, RuntimeError) as error:
+        untouched = not any(isinstance(p, DTensor) for p in model.parameters())
+        return f"{type(error).__name__}: {error} (untouched={untouched})"
+    return "no error"
+
+
+def parallelize_log(layout: dict[str, Any], architecture: str = "llama") -> list[str]:
+    """The lines ``parallelize`` logs at INFO (rank 0 logs; the others return none)."""
+    import logging
+
+    from tests.tiny_models import tiny_config
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("automodel.distributed")
+    handler, level = Collect(level=logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        ModelParallelizer().parallelize(build_model(tiny_config(architecture)), MeshContext.build(**layout))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return records
+
+
+def without_declared_blocks(layout: dict[str, Any]) -> dict[str, Any]:
+    """A causal LM whose class declares no `_no_split_modules`: its repeated blocks become the FSDP units and AC
+    blocks; parity with the same model in one process."""
+    context = MeshContext.build(**layout)
+    reference = build_model(tiny_llama_config())
+    model = copy.deepcopy(reference)
+    model._no_split_modules = []
+    model = ModelParallelizer().parallelize(model, context)
+    units = sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule))
+    checkpointed = sorted(n for n, m in model.named_modules() if getattr(m, "_automodel_checkpointed", False))
+    return {
+        "units": units,
+        "checkpointed": checkpointed,
+        **compare_with_reference(reference, model, context, token_batch()),
+    }

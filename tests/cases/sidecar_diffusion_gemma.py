@@ -19,6 +19,7 @@ from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
 from automodel.auto_model import NeMoAutoModel
 from automodel.distributed import MeshContext, ModelParallelizer
+from tests.hook_recorder import recording_hooks
 from tests.parity import compare_with_reference
 
 VOCAB = 96
@@ -114,7 +115,8 @@ def loaded_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
     from model_sidecars.diffusion_gemma.parallelization import PARALLELIZER
 
     context = MeshContext.build(**layout)
-    model = NeMoAutoModel.from_pretrained(checkpoint, mesh_context=context).train()
+    with recording_hooks(PARALLELIZER, "_apply_fsdp_sharding", "_fully_shard_module") as hooks:
+        model = NeMoAutoModel.from_pretrained(checkpoint, mesh_context=context).train()
     reference = DiffusionGemmaForBlockDiffusion.from_pretrained(checkpoint).train()
     result = compare_outputs(reference, model, context)
     embeddings = model.model.encoder.language_model.embed_tokens.weight
@@ -122,6 +124,7 @@ def loaded_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
         **result,
         "sidecar": type(model).parallelizer is PARALLELIZER and isinstance(model, SidecarClass),
         "units": fsdp_units(model),
+        "hooks": sorted(set(hooks)),
         "tied_head": model.lm_head.weight is embeddings and model.model.decoder.embed_tokens.weight is embeddings,
         "tied_layers": all(
             enc.experts.gate_up_proj is dec.experts.gate_up_proj and enc.mlp.up_proj.weight is dec.mlp.up_proj.weight

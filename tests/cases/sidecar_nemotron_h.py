@@ -12,6 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import MeshContext, ModelParallelizer
+from automodel.distributed.runtime import full_tensor
+from tests.hook_recorder import recording_hooks
 from tests.parity import compare_with_reference
 from tests.tiny_models import VOCAB, token_batch
 
@@ -85,20 +87,56 @@ def _facts(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def loaded_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
-    """Load through the sidecar for ``layout`` and compare logits, loss and gradients with plain transformers."""
+def loaded_parity(checkpoint: str, layout: dict[str, Any], tp_plan: dict[str, str] | None = None) -> dict[str, Any]:
+    """Load through the sidecar for ``layout`` (with a user ``tp_plan``, if given) and compare logits, loss and
+    gradients with plain transformers; record which of the sidecar's hooks ran."""
+    from model_sidecars.nemotron_h.parallelization import PARALLELIZER
+
     context = MeshContext.build(**layout)
-    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context).train()
+    with recording_hooks(PARALLELIZER, "_apply", "_apply_fsdp_sharding") as hooks:
+        model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, tp_plan=tp_plan).train()
     reference = AutoModelForCausalLM.from_pretrained(checkpoint).train()
     facts = _facts(model)
-    return {**facts, **compare_with_reference(reference, model, context, token_batch())}
+    return {**facts, "hooks": hooks, **compare_with_reference(reference, model, context, token_batch())}
 
 
-def refusal(checkpoint: str, layout: dict[str, Any]) -> str:
+def bf16_step(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """Load in bf16 (the MoE router stays fp32, as transformers builds it) for ``layout`` with FSDP2 mixed precision;
+    one forward / backward. Reports the FSDP units that mix dtypes and whether the step finished."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from automodel.distributed import FSDP2Config
+
+    strategy = FSDP2Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    context = MeshContext.build(strategy, **layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, dtype=torch.bfloat16).train()
+    mixed = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, FSDPModule)
+        and (group := module._get_fsdp_state()._fsdp_param_group) is not None
+        and len({p.sharded_param.dtype for p in group.fsdp_params}) > 1
+    ]
+    batch = token_batch(batch_size=4)
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    grads_finite = all(
+        torch.isfinite(full_tensor(p.grad)).all().item() for p in model.parameters() if p.grad is not None
+    )
+    return {
+        "mixed_units": mixed,
+        "loss_finite": bool(torch.isfinite(loss).item()),
+        "grads_finite": grads_finite,
+        "fp32": sorted(n for n, p in model.named_parameters() if p.dtype == torch.float32),
+        "experts_unit": isinstance(model.get_submodule("model.layers.3.mixer.experts"), FSDPModule),
+    }
+
+
+def refusal(checkpoint: str, layout: dict[str, Any], tp_plan: dict[str, str] | None = None) -> str:
     """The error message loading ``checkpoint`` for ``layout`` raises (empty when it loads)."""
     context = MeshContext.build(**layout)
     try:
-        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context)
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, tp_plan=tp_plan)
     except ValueError as error:
         return str(error)
     return ""

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import FSDP2Config, MeshContext, ModelParallelizer
 from automodel.distributed.runtime import full_tensor
+from tests.hook_recorder import recording_hooks
 from tests.parity import compare_with_reference
 from tests.tiny_models import VOCAB, token_batch
 
@@ -27,8 +28,13 @@ FP32_PARAMETERS = [
 BF16_LAYOUT = {"strategy": FSDP2Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
-def tiny_config(**overrides: Any) -> PretrainedConfig:
-    """A 2-layer Qwen3.5 text model: GatedDeltaNet, then full attention (4 query / 2 KV heads, TP=2 divides)."""
+# The MoE variant's routed experts (4, top-2: EP=2 divides them) and shared expert, in every layer.
+MOE_SIZES = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+
+
+def tiny_config(moe: bool = False, **overrides: Any) -> PretrainedConfig:
+    """A 2-layer Qwen3.5 text model: GatedDeltaNet, then full attention (4 query / 2 KV heads, TP=2 divides); with
+    ``moe``, Qwen3.5-MoE (routed experts in every layer)."""
     values = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -46,14 +52,15 @@ def tiny_config(**overrides: Any) -> PretrainedConfig:
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
+    values.update(MOE_SIZES if moe else {})
     values.update(overrides)
-    return AutoConfig.for_model("qwen3_5_text", **values)
+    return AutoConfig.for_model("qwen3_5_moe_text" if moe else "qwen3_5_text", **values)
 
 
-def save_checkpoint(directory: str, seed: int = 0) -> str:
-    """A tiny random Qwen3.5 text checkpoint (fp32) in several shards."""
+def save_checkpoint(directory: str, seed: int = 0, moe: bool = False) -> str:
+    """A tiny random Qwen3.5 (or Qwen3.5-MoE) text checkpoint (fp32) in several shards."""
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32).save_pretrained(
+    AutoModelForCausalLM.from_config(tiny_config(moe), dtype=torch.float32).save_pretrained(
         directory, max_shard_size="40KB"
     )
     return directory
@@ -77,9 +84,11 @@ def loaded_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
     from model_sidecars.qwen3_5.parallelization import PARALLELIZER
 
     context = MeshContext.build(**layout)
-    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context).train()
+    with recording_hooks(PARALLELIZER, "_apply_fsdp_sharding") as hooks:
+        model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context).train()
     reference = AutoModelForCausalLM.from_pretrained(checkpoint).train()
     facts = {
+        "hooks": hooks,
         "parallelizer_is_sidecar": getattr(type(model), "parallelizer", None) is PARALLELIZER,
         "tp_sharded": sorted(
             name
@@ -90,11 +99,10 @@ def loaded_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
     return {**facts, **compare_with_reference(reference, model, context, token_batch())}
 
 
-def bf16_step(checkpoint: str) -> dict[str, Any]:
-    """Load in bf16 with FSDP2 mixed precision, run one forward / backward / AdamW step; report dtypes and losses."""
-    from model_sidecars.qwen3_5.model import Qwen3_5ForCausalLM
-
-    context = MeshContext.build(**BF16_LAYOUT)
+def bf16_step(checkpoint: str, layout: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load in bf16 with FSDP2 mixed precision (plus ``layout``), run one forward / backward / AdamW step; report
+    dtypes and losses."""
+    context = MeshContext.build(**BF16_LAYOUT, **(layout or {}))
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, dtype=torch.bfloat16).train()
     batch = token_batch()
     rows = batch.shape[0] // context.dp_size
@@ -113,7 +121,7 @@ def bf16_step(checkpoint: str) -> dict[str, Any]:
     optimizer.step()
     after = model(input_ids=local, labels=local).loss
     # The same bf16 model in one process (the fp32 parameters kept, computed without FSDP's bf16 cast).
-    reference = Qwen3_5ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    reference = type(model).from_pretrained(checkpoint, dtype=torch.bfloat16)
     reference_loss = reference(input_ids=local, labels=local).loss
     return {
         "fp32": sorted(name for name, p in model.named_parameters() if p.dtype == torch.float32),
