@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from automodel.distributed.runtime import full_tensor
+
 
 def _tiny_llama(directory: Path, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -41,12 +43,6 @@ def _tiny_llama(directory: Path, **overrides) -> Path:
     return directory
 
 
-def _full(tensor):
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def fsdp2_load_parity(directory: Path) -> dict:
     """from_pretrained on CUDA (NCCL mesh) against plain transformers on the same GPU: logits, loss, gradients."""
     from transformers import AutoModelForCausalLM
@@ -62,11 +58,11 @@ def fsdp2_load_parity(directory: Path) -> dict:
     out.loss.backward()
     ref.loss.backward()
     ref_params = dict(reference.named_parameters())
-    grads = max((_full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters())
+    grads = max((full_tensor(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters())
     return {
         "backend": str(dist.get_backend()),
         "device": str(next(model.parameters()).device),
-        "logits": (_full(out.logits) - ref.logits).abs().max().item(),
+        "logits": (full_tensor(out.logits) - ref.logits).abs().max().item(),
         "loss": (out.loss - ref.loss).abs().item(),
         "grad": grads,
     }
@@ -91,7 +87,7 @@ def megatron_fsdp_parity(directory: Path) -> dict:
         "param_type": f"{type(weight).__name__} {type(getattr(weight, 'data', weight)).__name__}",
         "fsdp_param": bool(getattr(weight, "__fsdp_param__", False)),
         "wrapper": type(model).__name__,
-        "logits": (_full(out.logits) - ref.logits).abs().max().item(),
+        "logits": (full_tensor(out.logits) - ref.logits).abs().max().item(),
         "loss": (out.loss - ref.loss).abs().item(),
     }
 

@@ -6,10 +6,10 @@ import copy
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from automodel.distributed import MeshContext, ModelParallelizer
 from automodel.distributed.context_parallel import gather_sequence, shard_batch_for_context_parallel
+from tests.parity import gradient_differences
 from tests.tiny_models import build_model, tiny_config, token_batch
 
 
@@ -41,16 +41,11 @@ def cp_parity(layout: dict[str, Any], architecture: str, seq_len: int) -> dict[s
     dist.all_reduce(loss, group=context.mesh("dp_cp").get_group())
     loss /= context.size("dp_cp")
     logits = gather_sequence(out.logits.detach(), cp_mesh)
-    ref_grads = dict(reference.named_parameters())
-    grads = {
-        name: ((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - ref_grads[name].grad).abs().max()
-        for name, p in model.named_parameters()
-    }
     return {
         "local_len": local["input_ids"].shape[1],
         "logits": (logits - ref_out.logits[context.mesh("dp").get_local_rank() * rows :][:rows]).abs().max().item(),
         "loss": (loss - ref_out.loss.detach()).abs().item(),
-        "grad": max(g.item() for g in grads.values()),
+        **gradient_differences(reference, model),
     }
 
 
