@@ -29,6 +29,7 @@ __all__ = [
     "ZOO_MODEL_TYPES",
     "build_tiny_model",
     "feasibility",
+    "train_mode",
     "tiny_config",
     "zoo_batch",
 ]
@@ -37,7 +38,8 @@ __all__ = [
 ZOO_MODEL_TYPES: list[str] = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 VOCAB = 128
-#: Special token ids (bos, eos, pad, image ...) are moved to the top ``_SPECIAL`` ids, which batches never contain.
+#: Special token ids beyond the vocabulary (bos, eos, pad, image ...) move to the top ``_SPECIAL`` ids, which batches
+#: never contain.
 _SPECIAL = 16
 #: 4 rows so FSDP2 over 4 ranks gets one row each; 16 tokens so sliding windows / chunks of 8 are exercised.
 BATCH_SIZE, SEQ_LEN = 4, 16
@@ -215,7 +217,7 @@ def _two_layers(values: dict[str, Any], n_layers: int) -> dict[str, Any]:
 
 
 def _special_tokens(values: dict[str, Any]) -> dict[str, Any]:
-    """Move every special token id to the top ``_SPECIAL`` ids of the vocabulary (distinct where possible)."""
+    """Move every special token id beyond the vocabulary to the top ``_SPECIAL`` ids (distinct where possible)."""
     out: dict[str, Any] = {}
     free = iter(range(VOCAB - 1, VOCAB - _SPECIAL - 1, -1))
     assigned: dict[int, int] = {}
@@ -311,70 +313,97 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     return config
 
 
-def build_tiny_model(model_type: str, seed: int = SEED) -> torch.nn.Module:
-    """The plain transformers model of ``tiny_config(model_type)``, fp32, weights drawn after ``manual_seed(seed)``,
-    in train mode (the config's dropout probabilities are zero)."""
+def build_tiny_model(model_type: str, seed: int = SEED, *, train: bool | None = None) -> torch.nn.Module:
+    """The plain transformers model of ``tiny_config(model_type)``, fp32, weights drawn after ``manual_seed(seed)``.
+
+    In train mode (the config's dropout probabilities are zero), unless its training forward draws random numbers
+    (e.g. sampled expert routing), which no two layouts can reproduce: then in eval mode. ``train`` overrides the
+    mode (``None``: run the feasibility check to choose, see ``train_mode``).
+    """
+    model = _build(model_type, seed)
+    return model.train(train_mode(model_type) if train is None else train)
+
+
+def train_mode(model_type: str) -> bool:
+    """Whether the sweep compares ``model_type`` in train mode (False: its training forward is random)."""
+    return _check(model_type).train
+
+
+def _build(model_type: str, seed: int = SEED) -> torch.nn.Module:
     config = tiny_config(model_type)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.train()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
 
 
 def zoo_batch(batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LEN, seed: int = 1) -> torch.Tensor:
-    """Random token ids below the special-token range, the same on every rank."""
+    """Random token ids below the ids special tokens were moved to, the same on every rank."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB - _SPECIAL, (batch_size, seq_len), generator=generator)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:160] if text else ''}"
+def _short(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {' | '.join(lines[:2])[:200]}"
 
 
 def feasibility(model_type: str) -> str | None:
-    """``None`` when plain transformers builds the tiny model on CPU in fp32 and runs a deterministic forward with
-    labels and backward with a finite loss; otherwise a short reason to skip it."""
-    return _feasibility(model_type)[0]
+    """``None`` when plain transformers builds the tiny model on CPU in fp32 and runs a forward with labels and a
+    backward with a finite loss, whose output does not depend on the random number generator (in train mode, else
+    in eval mode); otherwise a short reason to skip it."""
+    return _check(model_type).reason
+
+
+@dataclasses.dataclass(frozen=True)
+class _Feasibility:
+    reason: str | None
+    seconds: float
+    train: bool = True
 
 
 @functools.cache
-def _feasibility(model_type: str) -> tuple[str | None, float]:
+def _check(model_type: str) -> _Feasibility:
     start = time.perf_counter()
+
+    def skip(reason: str) -> _Feasibility:
+        return _Feasibility(reason, time.perf_counter() - start)
+
     try:
         tiny_config(model_type)
     except Exception as error:
-        return f"config: {_first_line(error)}", time.perf_counter() - start
+        return skip(f"config: {_short(error)}")
     try:
-        model = build_tiny_model(model_type)
+        model = _build(model_type)
     except Exception as error:
-        reason = "needs CUDA" if "cuda" in str(error).lower() else f"build: {_first_line(error)}"
-        return reason, time.perf_counter() - start
+        return skip("needs CUDA" if "cuda" in str(error).lower() else f"build: {_short(error)}")
     n_params = sum(p.numel() for p in model.parameters())
     if n_params > MAX_PARAMS:
-        return f"too large: {n_params} params", time.perf_counter() - start
+        return skip(f"too large: {n_params} params")
     batch = zoo_batch()
     try:
-        out = model(input_ids=batch, labels=batch)
-        loss = out.loss
-        if loss is None or not torch.isfinite(loss):
-            return f"forward: loss is {loss}", time.perf_counter() - start
-        loss.backward()
-        again = model(input_ids=batch, labels=batch)  # with autograd too: CPU SDPA picks other kernels without
+        for train in (True, False):
+            model.train(train)
+            torch.manual_seed(1)
+            out = model(input_ids=batch, labels=batch)
+            if out.loss is None or not torch.isfinite(out.loss):
+                return skip(f"forward: the loss is {out.loss}")
+            out.loss.backward()
+            torch.manual_seed(2)
+            again = model(input_ids=batch, labels=batch)  # with autograd too: CPU SDPA picks other kernels without
+            if torch.equal(out.logits.detach(), again.logits.detach()):
+                return _Feasibility(None, time.perf_counter() - start, train)
     except Exception as error:
-        reason = "needs CUDA" if "cuda" in str(error).lower() else f"forward: {_first_line(error)}"
-        return reason, time.perf_counter() - start
-    if not torch.equal(out.logits.detach(), again.logits.detach()):
-        return "nondeterministic", time.perf_counter() - start
-    return None, time.perf_counter() - start
+        return skip("needs CUDA" if "cuda" in str(error).lower() else f"forward: {_short(error)}")
+    return skip("nondeterministic: the output depends on the random number generator, even in eval mode")
 
 
 def _main() -> None:
     start = time.perf_counter()
     ok = 0
     for model_type in ZOO_MODEL_TYPES:
-        reason, seconds = _feasibility(model_type)
-        ok += reason is None
-        print(f"{model_type:28s} {seconds:6.2f}s  {reason or 'ok'}", flush=True)
+        result = _check(model_type)
+        ok += result.reason is None
+        mode = "" if result.reason or result.train else " (eval mode: random training forward)"
+        print(f"{model_type:28s} {result.seconds:6.2f}s  {result.reason or 'ok'}{mode}", flush=True)
     print(f"{ok}/{len(ZOO_MODEL_TYPES)} feasible in {time.perf_counter() - start:.1f}s")
 
 
