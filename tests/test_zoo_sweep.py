@@ -1,0 +1,153 @@
+"""Every causal-LM architecture of transformers under the default ``ModelParallelizer``: FSDP2 on 4 ranks and TP=2.
+
+Each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that plain transformers can run small on CPU
+(``tests/causal_lm_zoo.py``) is parallelized and compared with the plain model in fp32: logits, loss and every
+gradient within 1e-4. Under TP a model class without a tensor-parallel plan may instead be refused with the
+``ValueError`` saying so. One module fixture runs each layout's whole sweep in a few pool calls (many model types per
+call); the per-model tests then read their result, so every architecture passes or fails on its own.
+
+Run: ``pytest tests/test_zoo_sweep.py -m slow -s`` (``-s`` prints the skip list and the sweep times).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.cases.zoo import zoo_parity
+from tests.causal_lm_zoo import ZOO_MODEL_TYPES, feasibility, train_mode
+from tests.harness import RankFailure, RankPool
+
+TOLERANCE = 1e-4
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "fsdp2_dp4": (4, {"strategy": "fsdp2"}),
+    "tp2": (2, {"strategy": "fsdp2", "tp_size": 2}),
+}
+#: Model types per pool call; a call that loses its rank group is rerun one model type per call.
+CHUNK = 40
+SECONDS_PER_MODEL = 15.0
+NO_TP_PLAN = "has no tensor-parallel plan"
+
+
+def feasible_model_types() -> list[str]:
+    """The model types plain transformers can build and run small on CPU."""
+    return [model_type for model_type in ZOO_MODEL_TYPES if feasibility(model_type) is None]
+
+
+def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from every rank's: errors are identical on all ranks; differences are the worst over ranks."""
+    first = dict(per_rank[0])
+    if first["status"] != "ok":
+        return first
+    worst = max(per_rank, key=lambda result: result["grad"])
+    first.update({key: max(result[key] for result in per_rank) for key in ("logits", "loss", "grad")})
+    first["worst_grad"] = worst["worst_grad"]
+    first["nan"] = any(result["nan"] for result in per_rank)
+    first["grad_presence"] = sorted({name for result in per_rank for name in result["grad_presence"]})
+    first["divergent_replicated_grads"] = sorted(
+        {name for result in per_rank for name in result["divergent_replicated_grads"]}
+    )
+    return first
+
+
+def run_sweep(pool: RankPool, model_types: list[str], layout: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``zoo_parity`` over ``model_types`` in chunks; a chunk whose rank group hangs or dies (a failure on some ranks
+    only, see ``tests/cases/zoo.py``) is rerun one model type per call, so the culprit is named."""
+    results: dict[str, dict[str, Any]] = {}
+    for start in range(0, len(model_types), CHUNK):
+        results.update(_run_chunk(pool, model_types[start : start + CHUNK], layout))
+    return results
+
+
+def _run_chunk(pool: RankPool, model_types: list[str], layout: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    try:
+        eval_mode = tuple(model_type for model_type in model_types if not train_mode(model_type))
+        timeout = 60 + SECONDS_PER_MODEL * len(model_types)
+        per_rank = pool.run(zoo_parity, model_types, layout, eval_mode, timeout=timeout)
+    except RankFailure as failure:
+        if len(model_types) == 1:
+            text = str(failure)
+            error = {"status": "error", "step": "rank group", "error_type": "RankFailure", "error": text[-1500:]}
+            return {model_types[0]: {**error, "where": "a rank hung or died"}}
+        results: dict[str, dict[str, Any]] = {}
+        for model_type in model_types:
+            results.update(_run_chunk(pool, [model_type], layout))
+        return results
+    return {model_type: _merge([rank[model_type] for rank in per_rank]) for model_type in model_types}
+
+
+@pytest.fixture(scope="module")
+def zoo_sweep(request) -> Callable[[str, str], dict[str, Any]]:
+    """``zoo_sweep(layout_name, model_type)``: that model type's result; the layout's whole sweep runs on first use."""
+    sweeps: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def result(layout_name: str, model_type: str) -> dict[str, Any]:
+        if reason := feasibility(model_type):
+            pytest.skip(reason)
+        if layout_name not in sweeps:
+            world, layout = LAYOUTS[layout_name]
+            start = time.perf_counter()
+            sweeps[layout_name] = run_sweep(request.getfixturevalue(f"ranks{world}"), feasible_model_types(), layout)
+            print(
+                f"\nzoo sweep {layout_name}: {len(sweeps[layout_name])} model types in "
+                f"{time.perf_counter() - start:.0f} s"
+            )
+        return sweeps[layout_name][model_type]
+
+    return result
+
+
+def _describe(result: dict[str, Any]) -> str:
+    if result["status"] != "ok":
+        return f"failed in {result['step']}: {result['error']}\n  at {result['where']}"
+    return (
+        f"max abs differences: logits {result['logits']:.2e}, loss {result['loss']:.2e}, grad {result['grad']:.2e} "
+        f"(worst: {result['worst_grad']}); NaN: {result['nan']}; gradient presence differs: "
+        f"{result['grad_presence']}; replicated gradients that differ between TP ranks: "
+        f"{result['divergent_replicated_grads']}"
+    )
+
+
+def assert_parity(result: dict[str, Any]) -> None:
+    """Logits, loss and every gradient match the plain model within ``TOLERANCE``."""
+    assert result["status"] == "ok", _describe(result)
+    assert not result["nan"], _describe(result)
+    assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, _describe(result)
+    assert not result["grad_presence"], _describe(result)
+    assert result["same_class"], "the parallelized model is no longer an instance of its class"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_type", ZOO_MODEL_TYPES)
+def test_fsdp2_matches_plain_transformers(zoo_sweep, model_type):
+    assert_parity(zoo_sweep("fsdp2_dp4", model_type))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_type", ZOO_MODEL_TYPES)
+def test_tp2_matches_plain_transformers_or_refuses_without_plan(zoo_sweep, model_type):
+    result = zoo_sweep("tp2", model_type)
+    if result["status"] != "ok" and result["error_type"] == "ValueError" and NO_TP_PLAN in result["error"]:
+        assert result["step"] == "parallelize", _describe(result)
+        return
+    assert_parity(result)
+
+
+@pytest.mark.slow
+def test_zoo_skip_list(record_property):
+    """The model types the sweep skips, with the reason plain transformers cannot run them small on CPU."""
+    start = time.perf_counter()
+    skipped = {model_type: reason for model_type in ZOO_MODEL_TYPES if (reason := feasibility(model_type))}
+    seconds = time.perf_counter() - start
+    record_property("zoo_skipped", skipped)
+    print(f"\n{len(ZOO_MODEL_TYPES) - len(skipped)}/{len(ZOO_MODEL_TYPES)} model types feasible ({seconds:.0f} s):")
+    for model_type, reason in skipped.items():
+        print(f"  {model_type}: {reason}")
+    assert all(reason.strip() for reason in skipped.values())
+    # A guard against the generic tiny-config derivation breaking wholesale (e.g. after a transformers upgrade).
+    assert len(skipped) <= len(ZOO_MODEL_TYPES) // 10, skipped
