@@ -13,6 +13,9 @@ __all__ = ["SIDECAR_CLASSES", "sidecar_class"]
 SIDECAR_CLASSES: dict[str, str] = {
     "DeepseekV4ForCausalLM": "model_sidecars.deepseek_v4.model.DeepseekV4ForCausalLM",
     "DiffusionGemmaForBlockDiffusion": "model_sidecars.diffusion_gemma.model.DiffusionGemmaForBlockDiffusion",
+    "DogeForCausalLM": "model_sidecars.doge.model.DogeForCausalLM",
+    "Gemma3nForCausalLM": "model_sidecars.gemma3n.model.Gemma3nForCausalLM",
+    "Gemma4ForConditionalGeneration": "model_sidecars.gemma4.model.Gemma4ForConditionalGeneration",
     "NemotronHForCausalLM": "model_sidecars.nemotron_h.model.NemotronHForCausalLM",
     "Qwen3_5ForCausalLM": "model_sidecars.qwen3_5.model.Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "model_sidecars.qwen3_5.model.Qwen3_5MoeForCausalLM",

@@ -57,9 +57,12 @@ def compare_with_reference(
     averaged /= context.dp_size
     grads = gradient_differences(reference, model)
     outputs = full_tensor(getattr(out, output_key)).detach()
+    expected = getattr(ref_out, output_key)[local].detach()
+    same_shape = outputs.shape == expected.shape
     return {
-        "logits": (outputs - getattr(ref_out, output_key)[local].detach()).abs().max().item(),
+        "logits": (outputs - expected).abs().max().item() if same_shape else float("inf"),
         "loss": (averaged - ref_loss.detach()).abs().item(),
+        "nan": bool(outputs.isnan().any()) or grads["grad"] != grads["grad"],
         **grads,
         "same_class": isinstance(model, type(reference)),
         "has_generate": callable(getattr(model, "generate", None)),
@@ -76,23 +79,32 @@ def local_rows(context: MeshContext, batch_size: int) -> slice:
 
 def gradient_differences(reference: nn.Module, model: nn.Module) -> dict[str, Any]:
     """The largest absolute gradient difference (and its parameter), the counts of parameters with a gradient on
-    each side, and the parameters without one (some get none by construction, e.g. an index-only router)."""
+    each side, the parameters without one (some get none by construction, e.g. an index-only router), and those whose
+    gradient is present on one side only with a nonzero value (FSDP hands an all-zero gradient to a parameter the
+    forward did not reach, which is no difference)."""
     ref_params = dict(reference.named_parameters())
     diffs: dict[str, float] = {}
     without: list[str] = []
+    presence: list[str] = []
     for name, param in model.named_parameters():
-        if param.grad is None:
+        grad, ref_grad = full_tensor(param.grad) if param.grad is not None else None, ref_params[name].grad
+        if grad is None:
             without.append(name)
+        if grad is None or ref_grad is None:
+            present = grad if grad is not None else ref_grad
+            if present is not None and present.abs().max().item() != 0:
+                presence.append(f"{name} (plain: {ref_grad is not None}, parallel: {grad is not None})")
             continue
-        diffs[name] = (full_tensor(param.grad) - ref_params[name].grad).abs().max().item()
+        diffs[name] = (grad - ref_grad).abs().max().item()
     worst = max(diffs, key=diffs.__getitem__) if diffs else None
     return {
         "grad": diffs[worst] if worst else 0.0,
         "worst_grad": worst,
-        "n_grads": len(diffs),
+        "n_grads": sum(param.grad is not None for param in model.parameters()),
         "n_ref_grads": sum(param.grad is not None for param in ref_params.values()),
         "no_grad": without,
         "ref_no_grad": [name for name, param in ref_params.items() if param.grad is None],
+        "grad_presence": presence,
     }
 
 

@@ -1,4 +1,5 @@
-"""Every causal-LM architecture of transformers under the default ``ModelParallelizer``: FSDP2 on 4 ranks and TP=2.
+"""Every causal-LM architecture of transformers under the parallelizer the auto classes use (a registered
+sidecar's, else the default ``ModelParallelizer``): FSDP2 on 4 ranks and TP=2.
 
 Each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that plain transformers can run small on CPU
 (``tests/causal_lm_zoo.py``) is parallelized and compared with the plain model in fp32: logits, loss and every

@@ -1,28 +1,31 @@
-"""The one place that touches transformers' tensor-parallel internals (supported range pinned in pyproject.toml).
+"""The one place that imports transformers' tensor- and expert-parallel internals (supported range pinned in
+pyproject.toml): its plans on models and its named styles.
 
 transformers ships named TP styles (``ALL_PARALLEL_STYLES``: ``"colwise"``, ``"rowwise"``, ``"packed_colwise"``,
-``"embedding_rowwise"`` ...) and plans on models (``model.tp_plan``: ``_tp_plan`` + ``config.base_model_tp_plan``). We
-use both as they are. What transformers does not have yet is sequence parallelism (``enable_sequence_parallel`` is
-"not wired up" in 5.24), so the sequence-parallel variants of its rowwise and norm styles live here too.
+``"embedding_rowwise"`` ...) and plans on models (``model.tp_plan``: ``_tp_plan`` + ``config.base_model_tp_plan``,
+``ep_plan``, ``fsdp_plan``). This module reads the plans and re-exports the style classes and the private helpers
+``tp_styles`` builds on, so no other module imports transformers' distributed internals.
 """
 
 from __future__ import annotations
 
-import weakref
-
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
 from transformers.distributed.parallel_utils import (
     ALL_PARALLEL_STYLES,
+    _AllReduceBackward,
+    _AllReduceForward,
     _get_parameter_plan,
+    _use_local_dtensor_params,
     replace_layer_number_by_wildcard,
 )
 from transformers.distributed.tensor_parallel import (
+    AllReduceParallel,
+    ColwiseParallel,
+    EmbeddingParallel,
     MlaKvAProjParallel,
+    PackedColwiseParallel,
     ReplicatedWithGradAllReduce,
     RowwiseParallel,
     SequenceParallel,
@@ -30,22 +33,37 @@ from transformers.distributed.tensor_parallel import (
 )
 
 __all__ = [
+    "ALL_PARALLEL_STYLES",
     "EXPERT_DISPATCH_STYLE",
     "EXPERT_STYLES",
-    "SequenceParallelNorm",
-    "SequenceParallelRowwise",
+    "AllReduceParallel",
+    "ColwiseParallel",
+    "EmbeddingParallel",
+    "MlaKvAProjParallel",
+    "PackedColwiseParallel",
+    "ReplicatedWithGradAllReduce",
+    "RowwiseParallel",
+    "SequenceParallel",
     "TensorParallelLayer",
+    "all_reduce_backward",
+    "all_reduce_forward",
     "expand_plan",
     "install_expert_parallel",
-    "install_module_style",
+    "local_dtensor_params",
     "matchable_plan_keys",
     "model_ep_plan",
     "model_fsdp_plan",
     "model_tp_plan",
     "module_style",
     "replace_layer_number_by_wildcard",
-    "style_named",
 ]
+
+#: Identity forward, gradient summed over a process group in backward (transformers' ``_AllReduceBackward``).
+all_reduce_backward = _AllReduceBackward.apply
+#: Output summed over a process group in forward, identity backward (transformers' ``_AllReduceForward``).
+all_reduce_forward = _AllReduceForward.apply
+#: Context running a module's forward with its DTensor parameters swapped for their local shards.
+local_dtensor_params = _use_local_dtensor_params
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -94,18 +112,6 @@ def install_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: Devi
             style.install_forward(modules[name], ep_mesh=ep_mesh, tp_mesh=tp_mesh, ep_implementation="all_to_all")
         else:
             style.install_forward(modules[name], ep_mesh)
-
-
-def install_module_style(model: nn.Module, module: nn.Module, style: TensorParallelLayer, mesh: DeviceMesh) -> None:
-    """Install a TP style's forward transforms on ``module``, as transformers' ``apply_tensor_parallelism`` does.
-
-    transformers' MLA style (``mla_kv_a_proj``) reads the text config from the module it is installed on, which
-    transformers' own TP sets first; so does this.
-    """
-    if isinstance(style, MlaKvAProjParallel):
-        config = getattr(model, "config", None)
-        module.config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    style.install_forward(module, mesh)
 
 
 def matchable_plan_keys(model: nn.Module) -> set[str]:
@@ -160,63 +166,3 @@ def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         if module_name and (style := _plan_style(module_name, plan, is_weight=False)) is not None:
             expanded[module_name] = style
     return expanded
-
-
-def style_named(name: str) -> TensorParallelLayer:
-    """The transformers style object registered under ``name`` (``replicated_with_grad_allreduce``: our variant that
-    reduces a shared parameter's gradient once)."""
-    if name not in ALL_PARALLEL_STYLES:
-        raise ValueError(f"Unknown tensor-parallel style {name!r}; transformers knows {sorted(ALL_PARALLEL_STYLES)}.")
-    if name == "replicated_with_grad_allreduce":
-        return _REPLICATED_WITH_GRAD_ALLREDUCE_ONCE
-    return ALL_PARALLEL_STYLES[name]
-
-
-class ReplicatedWithGradAllReduceOnce(ReplicatedWithGradAllReduce):
-    """transformers' ``replicated_with_grad_allreduce`` (a replicated parameter whose gradient is summed over TP),
-    with each parameter's gradient reduced once even when several modules share it.
-
-    transformers records the hooks it registered per module, so a parameter two modules share (tied encoder / decoder
-    layers) gets one all-reduce hook per module, and its gradient is summed over the TP ranks twice.
-    """
-
-    _hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        original_forward = module.forward
-        hooked = ReplicatedWithGradAllReduceOnce._hooked
-
-        def all_reduce_grad(param: torch.Tensor) -> None:
-            dist.all_reduce(param.grad, group=mesh.get_group())
-
-        def tp_forward(*args, **kwargs):
-            # Parameters are replaced by the loaded weights after setup, so hooks are attached at the first forward.
-            if torch.is_grad_enabled():
-                for param in module.parameters(recurse=False):
-                    if param.requires_grad and hooked.get(id(param)) is not param:
-                        param.register_post_accumulate_grad_hook(all_reduce_grad)
-                        hooked[id(param)] = param
-            return original_forward(*args, **kwargs)
-
-        module.forward = tp_forward
-        return module
-
-
-_REPLICATED_WITH_GRAD_ALLREDUCE_ONCE = ReplicatedWithGradAllReduceOnce()
-
-
-class SequenceParallelRowwise(RowwiseParallel):
-    """Rowwise linear that reduce-scatters its partial output onto sequence shards instead of all-reducing it."""
-
-    def __init__(self) -> None:
-        super().__init__(input_layouts=Shard(-1), output_layouts=Shard(1))
-
-    def should_use_local_tensors(self, module: nn.Module) -> bool:
-        return False
-
-
-class SequenceParallelNorm(SequenceParallel):
-    """A per-token module (norm) run on sequence shards; its replicated weight gets its gradient summed over TP."""
-
-    def __init__(self) -> None:
-        super().__init__(sequence_dim=1, use_local_output=True)

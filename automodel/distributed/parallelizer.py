@@ -55,8 +55,9 @@ class ModelParallelizer:
 
     #: Set to True when ``_fully_shard_module`` is also required (and safe) on the MoE path, after EP ownership.
     _customizes_moe_fsdp: bool = False
-    #: A TP plan (transformers style names) for model classes that ship none; ``None`` uses the model's own.
-    _tp_plan: dict[str, str] | None = None
+    #: A TP plan (transformers style names) where the model class ships none or an unusable one: a dict, or a function
+    #: of the model returning one (``staticmethod``); ``None`` uses the model's own.
+    _tp_plan: TPShardPlan | None = None
 
     def parallelize(self, model: nn.Module, mesh_context: MeshContext) -> nn.Module:
         """Parallelize ``model`` in place for ``mesh_context`` and return it.

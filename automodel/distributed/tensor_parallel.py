@@ -19,17 +19,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map_only
 
-from .hf_plans import (
+from .hf_plans import expand_plan, matchable_plan_keys, model_tp_plan
+from .model_structure import decoder_layers, retie_parameters, tied_parameter_names
+from .partial_gradients import reduce_partial_gradients
+from .tp_styles import (
     SequenceParallelNorm,
     SequenceParallelRowwise,
     TensorParallelLayer,
-    expand_plan,
     install_module_style,
-    matchable_plan_keys,
-    model_tp_plan,
+    packed_fused_projections,
     style_named,
 )
-from .model_structure import decoder_layers, retie_parameters, tied_parameter_names
 
 __all__ = [
     "TPPlanChoice",
@@ -78,17 +78,20 @@ def set_user_tp_plan(model: nn.Module, plan: PlanSpec | None) -> None:
 
 def choose_tp_plan(model: nn.Module, sidecar_plan: PlanSpec | None, sidecar: str = "the sidecar") -> TPPlanChoice:
     """The one TP plan for ``model``, by precedence: the user's (:func:`set_user_tp_plan`) > ``sidecar_plan`` > the
-    model's own (``_tp_plan`` + ``config.base_model_tp_plan``).
+    model's own (``_tp_plan`` + ``config.base_model_tp_plan``); fused gate/up projections are packed
+    (:func:`tp_styles.packed_fused_projections`).
 
     A plan may be a dict, a callable of the model, or the ``"module:attr"`` import path of either. Raises when the
     chosen plan is empty, naming the class and the ways to supply one.
     """
     user = getattr(model, _USER_PLAN_ATTRIBUTE, None)
     if user is not None:
-        return TPPlanChoice(_materialize(user, model), USER_SOURCE)
-    if sidecar_plan is not None:
-        return TPPlanChoice(_materialize(sidecar_plan, model), sidecar)
-    return TPPlanChoice(resolve_tp_plan(model), "the model")
+        plan, source = _materialize(user, model), USER_SOURCE
+    elif sidecar_plan is not None:
+        plan, source = _materialize(sidecar_plan, model), sidecar
+    else:
+        plan, source = resolve_tp_plan(model), "the model"
+    return TPPlanChoice(packed_fused_projections(plan), source)
 
 
 def resolve_tp_plan(model: nn.Module, override: PlanSpec | None = None) -> TPPlan:
@@ -178,6 +181,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *
             install_module_style(model, modules[name], style, tp_mesh)
     _check_tied_placements(model, tied)
     retie_parameters(model, tied)
+    reduce_partial_gradients(model, tp_mesh, styles)
 
 
 def _check_tied_placements(model: nn.Module, groups: list[list[str]]) -> None:

@@ -1,8 +1,8 @@
 """Rank-side sweep over the causal-LM zoo (run inside ``tests.harness.RankPool`` workers).
 
-``zoo_parity(model_types, layout)`` parallelizes the tiny model of each model type with the default
-``ModelParallelizer`` for ``MeshContext.build(**layout)`` and compares logits, loss and every gradient with the plain
-model on the same rank. Each model type gets its own result, so one failure does not end the batch.
+``zoo_parity(model_types, layout)`` parallelizes the tiny model of each model type with the parallelizer the auto
+classes would use (a registered sidecar's, else the default ``ModelParallelizer``) for ``MeshContext.build(**layout)``
+and compares logits, loss and every gradient with the plain model on the same rank (``tests.parity``). Each model type gets its own result, so one failure does not end the batch.
 
 Keeping the ranks in step: every rank runs the same steps on the same model, so nearly every failure happens on all
 ranks at the same point, before the same collective. After each step (parallelize, forward + backward, comparison)
@@ -27,13 +27,11 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 from automodel.distributed import MeshContext, ModelParallelizer
+from model_sidecars import sidecar_class
 from tests.causal_lm_zoo import build_tiny_model, zoo_batch
+from tests.parity import compare_with_reference
 
-_STEPS = ("parallelize", "forward", "compare")
-
-
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+_STEPS = ("parallelize", "compare", "replicas")
 
 
 def _describe(error: BaseException) -> dict[str, str]:
@@ -68,57 +66,6 @@ def _in_step(outcome: dict[str, Any] | None) -> dict[str, Any] | None:
     return None
 
 
-def _forward_backward(reference: torch.nn.Module, model: torch.nn.Module, context: MeshContext) -> dict[str, Any]:
-    """Forward with labels and backward: the plain model on the whole batch, the parallel one on this rank's rows."""
-    batch = zoo_batch()
-    ref_out = reference(input_ids=batch, labels=batch)
-    ref_out.loss.backward()
-
-    dp_rank, dp_size = context.mesh("dp").get_local_rank(), context.dp_size
-    rows = batch.shape[0] // dp_size
-    local = slice(dp_rank * rows, (dp_rank + 1) * rows)
-    out = model(input_ids=batch[local], labels=batch[local])
-    out.loss.backward()
-    return {"ref_out": ref_out, "out": out, "local": local, "dp_size": dp_size}
-
-
-def _differences(reference, model, context, run: dict[str, Any]) -> dict[str, Any]:
-    ref_out, out, local = run["ref_out"], run["out"], run["local"]
-    loss = out.loss.detach().clone()
-    dist.all_reduce(loss, group=context.mesh("dp").get_group())
-    loss /= run["dp_size"]
-    ref_params = dict(reference.named_parameters())
-    grad_diffs: dict[str, float] = {}
-    presence: list[str] = []
-    for name, param in model.named_parameters():
-        grad, ref_grad = _full(param.grad), ref_params[name].grad
-        if grad is None and ref_grad is None:
-            continue
-        if grad is None or ref_grad is None:
-            # FSDP may hand a zero gradient to a parameter the forward did not reach.
-            present = grad if grad is not None else ref_grad
-            if present.abs().max().item() == 0:
-                continue
-            presence.append(f"{name} (plain: {ref_grad is not None}, parallel: {grad is not None})")
-            continue
-        grad_diffs[name] = (grad - ref_grad).abs().max().item()
-    worst = max(grad_diffs, key=grad_diffs.__getitem__) if grad_diffs else None
-    logits = _full(out.logits).detach()
-    ref_logits = ref_out.logits[local].detach()
-    return {
-        "logits": (logits - ref_logits).abs().max().item() if logits.shape == ref_logits.shape else float("inf"),
-        "loss": (loss - ref_out.loss.detach()).abs().item(),
-        "grad": grad_diffs[worst] if worst else 0.0,
-        "worst_grad": worst,
-        "n_grads": len(grad_diffs),
-        "n_ref_grads": sum(p.grad is not None for p in reference.parameters()),
-        "grad_presence": presence[:5],
-        "nan": bool(torch.isnan(logits).any()) or any(v != v for v in grad_diffs.values()),
-        "same_class": isinstance(model, type(reference)),
-        "divergent_replicated_grads": _divergent_replicated_grads(model, context),
-    }
-
-
 def _divergent_replicated_grads(model: torch.nn.Module, context: MeshContext) -> list[str]:
     """Replicated (plain tensor) parameters whose gradients differ between the TP ranks: a replicated parameter must
     get the same gradient everywhere, so these see only their rank's part (e.g. a norm or activation with parameters
@@ -138,9 +85,19 @@ def _divergent_replicated_grads(model: torch.nn.Module, context: MeshContext) ->
     return names
 
 
-def _one(model_type: str, context: MeshContext, train: bool) -> dict[str, Any]:
+def _parallelizer(model: torch.nn.Module) -> ModelParallelizer:
+    """The parallelizer the auto classes would use: the registered sidecar's for the model's class, else the default."""
+    sidecar = sidecar_class(type(model).__name__)
+    return getattr(sidecar, "parallelizer", None) or ModelParallelizer()
+
+
+def model_type_parity(
+    model_type: str, context: MeshContext, train: bool = True, parallelizer: ModelParallelizer | None = None
+) -> dict[str, Any]:
+    """One model type's result (see :func:`zoo_parity`), parallelized by ``parallelizer`` if given, else by the one
+    the auto classes would use."""
     start = time.perf_counter()
-    reference = model = run = None
+    reference = model = None
     outcome: dict[str, Any] | None = None
     result: dict[str, Any] = {}
     timing: dict[str, float] = {}
@@ -150,11 +107,12 @@ def _one(model_type: str, context: MeshContext, train: bool) -> dict[str, Any]:
         try:
             if step == "parallelize":
                 reference = build_tiny_model(model_type, train=train)
-                model = ModelParallelizer().parallelize(copy.deepcopy(reference), context)
-            elif step == "forward":
-                run = _forward_backward(reference, model, context)
+                chosen = parallelizer or _parallelizer(reference)
+                model = chosen.parallelize(copy.deepcopy(reference), context)
+            elif step == "compare":
+                result = compare_with_reference(reference, model, context, zoo_batch())
             else:
-                result = _differences(reference, model, context, run)
+                result["divergent_replicated_grads"] = _divergent_replicated_grads(model, context)
         except Exception as error:
             local = {"step": step, **_describe(error)}
         timing[step] = time.perf_counter() - step_start
@@ -162,7 +120,7 @@ def _one(model_type: str, context: MeshContext, train: bool) -> dict[str, Any]:
         timing[f"{step}_sync"] = time.perf_counter() - step_start - timing[step]
         if outcome is not None:
             break
-    del reference, model, run
+    del reference, model
     seconds = time.perf_counter() - start
     if outcome is not None:
         return {"status": "error", **outcome, "seconds": seconds, "timing": timing}
@@ -185,4 +143,17 @@ def zoo_parity(
         # FSDP2 warns on every forward of a unit returning a view; the parity check below is what tells whether a
         # gradient was lost.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
-        return {model_type: _one(model_type, context, model_type not in eval_mode) for model_type in model_types}
+        return {
+            model_type: model_type_parity(model_type, context, model_type not in eval_mode)
+            for model_type in model_types
+        }
+
+
+def default_versus_sidecar(model_type: str, layout: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The model type's result with the default ``ModelParallelizer()`` and with its registered sidecar's."""
+    torch.set_num_threads(1)
+    context = MeshContext.build(**layout)
+    return {
+        "default": model_type_parity(model_type, context, parallelizer=ModelParallelizer()),
+        "sidecar": model_type_parity(model_type, context),
+    }

@@ -1,0 +1,252 @@
+"""transformers' TP styles as the shared TP step installs them, with what makes them hold for every model.
+
+transformers' styles are used as they are, by name, except where a model's plan meets a case the style alone gets
+wrong (each found by the sweep over transformers' causal-LM mapping, ``tests/test_zoo_sweep.py``):
+
+- a replicated parameter shared by several modules gets its gradient summed over TP once, not once per module;
+- sequence parallelism, which transformers 5.24 has not wired up: rowwise projections reduce-scatter onto sequence
+  shards, norms run on them;
+- the MLA style reads the text config from its module, which transformers' own TP attaches first;
+- an embedding subclass that post-processes its lookup (normalizes it) gets the embedding style on the lookup, so the
+  post-processing sees the reduced embedding rather than a pending partial sum;
+- an ``all_reduce`` module whose own parameters the plan shards runs as a whole partial-sum block (local shards,
+  input gradients summed, output summed), not only with its output summed;
+- TP outputs are handed back as tensors the model may update in place (``out.add_(...)``), not as the views
+  ``DTensor.to_local`` returns, which autograd forbids modifying;
+- ``colwise`` on a fused ``*gate_up_proj`` (gate and up concatenated, read back with ``chunk(2)``) becomes
+  ``packed_colwise``, as every other transformers plan has it, so each rank holds matching gate and up columns.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_map_only
+
+from .hf_plans import (
+    ALL_PARALLEL_STYLES,
+    AllReduceParallel,
+    ColwiseParallel,
+    EmbeddingParallel,
+    MlaKvAProjParallel,
+    PackedColwiseParallel,
+    ReplicatedWithGradAllReduce,
+    RowwiseParallel,
+    SequenceParallel,
+    TensorParallelLayer,
+    all_reduce_backward,
+    all_reduce_forward,
+    local_dtensor_params,
+)
+
+__all__ = [
+    "REPLICATED_WITH_GRAD_ALLREDUCE_ONCE",
+    "ReplicatedWithGradAllReduceOnce",
+    "SequenceParallelNorm",
+    "SequenceParallelRowwise",
+    "TensorParallelLayer",
+    "install_module_style",
+    "packed_fused_projections",
+    "shards_output",
+    "style_named",
+]
+
+logger = logging.getLogger(__name__)
+
+_FUSED_GATE_UP = "gate_up_proj"
+
+
+def style_named(name: str) -> TensorParallelLayer:
+    """The transformers style object registered under ``name`` (``replicated_with_grad_allreduce``: our variant that
+    reduces a shared parameter's gradient once)."""
+    if name not in ALL_PARALLEL_STYLES:
+        raise ValueError(f"Unknown tensor-parallel style {name!r}; transformers knows {sorted(ALL_PARALLEL_STYLES)}.")
+    if name == "replicated_with_grad_allreduce":
+        return REPLICATED_WITH_GRAD_ALLREDUCE_ONCE
+    return ALL_PARALLEL_STYLES[name]
+
+
+def packed_fused_projections(plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with ``colwise`` on fused gate/up projections (``*gate_up_proj``) made ``packed_colwise``."""
+    fixed = {
+        key: "packed_colwise" if key.endswith(_FUSED_GATE_UP) and style == "colwise" else style
+        for key, style in plan.items()
+    }
+    changed = [key for key in plan if fixed[key] != plan[key]]
+    if changed:
+        logger.info("TP plan: %s shard fused gate/up projections, so they use 'packed_colwise', not 'colwise'", changed)
+    return fixed
+
+
+def shards_output(style: TensorParallelLayer) -> bool:
+    """Whether ``style`` hands back this rank's slice of its output features (colwise styles that do not gather)."""
+    if isinstance(style, PackedColwiseParallel):
+        return style.use_local_output
+    return isinstance(style, ColwiseParallel) and isinstance(style.output_layouts, Shard) and style.use_local_output
+
+
+def install_module_style(model: nn.Module, module: nn.Module, style: TensorParallelLayer, mesh: DeviceMesh) -> None:
+    """Install a TP style's forward transforms on ``module`` (its parameters are sharded already)."""
+    if isinstance(style, MlaKvAProjParallel):
+        config = getattr(model, "config", None)
+        module.config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if isinstance(style, EmbeddingParallel) and _post_processes_lookup(module):
+        _install_on_lookup(module, style, mesh)
+    elif isinstance(style, AllReduceParallel) and _owns_sharded_parameters(module):
+        _install_partial_sum_block(module, mesh)
+    else:
+        style.install_forward(module, mesh)
+    _hand_back_owned_outputs(module)
+
+
+def _post_processes_lookup(module: nn.Module) -> bool:
+    return isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
+
+
+def _install_on_lookup(module: nn.Module, style: TensorParallelLayer, mesh: DeviceMesh) -> None:
+    """Put the style around ``nn.Embedding.forward`` itself: the module's class becomes a subclass whose MRO places a
+    lookup class between the model's embedding class and ``nn.Embedding``, so the model's ``super().forward()`` reaches
+    the styled lookup (the way FSDP2 swaps in ``FSDP<Class>``)."""
+
+    class StyledLookup(nn.Embedding):
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            args, kwargs = style.transform_inputs_pre_forward(self, args, kwargs, mesh)
+            with style.context_around_forward(self, mesh):
+                output = nn.Embedding.forward(self, *args, **kwargs)
+            return style.transform_output_post_forward(self, output, mesh)
+
+    cls = type(module)
+    module.__class__ = type(cls.__name__, (cls, StyledLookup), {"__module__": cls.__module__})
+
+
+def _owns_sharded_parameters(module: nn.Module) -> bool:
+    """Whether the plan sharded ``module``'s own parameters; all of them must be, for a partial-sum block."""
+    own = dict(module.named_parameters(recurse=False))
+    sharded = {name for name, param in own.items() if isinstance(param, DTensor)}
+    if sharded and sharded != set(own):
+        raise ValueError(
+            f"{type(module).__name__} has the TP style 'all_reduce' and the plan shards only some of its parameters "
+            f"({sorted(sharded)} of {sorted(own)}): its partial outputs would add the replicated ones once per TP rank. "
+            "Shard all of its parameters, or none, in the TP plan."
+        )
+    return bool(sharded)
+
+
+def _install_partial_sum_block(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Run ``module`` on its local parameter shards as one partial-sum block: the gradients of its (replicated) tensor
+    inputs are summed over TP, and so is its output (``moe_tp_experts`` does the same for routed experts)."""
+    forward, group = module.forward, mesh.get_group()
+
+    def sum_input_grads(value: Any) -> Any:
+        return all_reduce_backward(value, group) if isinstance(value, torch.Tensor) else value
+
+    def partial_sum_forward(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(sum_input_grads(arg) for arg in args)
+        kwargs = {key: sum_input_grads(value) for key, value in kwargs.items()}
+        with local_dtensor_params(module):
+            output = forward(*args, **kwargs)
+        return tree_map_only(torch.Tensor, lambda tensor: _sum_floats(tensor, group), output)
+
+    module.forward = partial_sum_forward
+
+
+def _sum_floats(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    return all_reduce_forward(tensor, group) if tensor.is_floating_point() else tensor
+
+
+class _Owned(torch.autograd.Function):
+    """An alias of a tensor that is not a view of it (gradient passed through): the model may modify it in place."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+# The autograd node of ``DTensor.to_local()``, whose output is a view of the DTensor's (temporary) local tensor.
+_TO_LOCAL_NODE = "_ToTorchTensorBackward"
+
+
+def _hand_back_owned_outputs(module: nn.Module) -> None:
+    """Wrap ``module.forward`` so that outputs ``DTensor.to_local`` returned (views of a temporary that nothing else
+    references) come back as owned aliases: no copy, and ``out.add_(...)`` in the model is allowed as without TP."""
+    forward = module.forward
+
+    def owned(tensor: torch.Tensor) -> torch.Tensor:
+        from_local = tensor._is_view() and type(tensor.grad_fn).__name__ == _TO_LOCAL_NODE
+        return _Owned.apply(tensor) if from_local else tensor
+
+    def forward_with_owned_outputs(*args: Any, **kwargs: Any) -> Any:
+        output = forward(*args, **kwargs)
+        return tree_map_only(torch.Tensor, owned, output) if torch.is_grad_enabled() else output
+
+    module.forward = forward_with_owned_outputs
+
+
+class ReplicatedWithGradAllReduceOnce(ReplicatedWithGradAllReduce):
+    """transformers' ``replicated_with_grad_allreduce`` (a replicated parameter whose gradient is summed over TP),
+    with each parameter's gradient reduced once even when several modules share it.
+
+    transformers records the hooks it registered per module, so a parameter two modules share (tied encoder / decoder
+    layers) gets one all-reduce hook per module, and its gradient is summed over the TP ranks twice.
+    """
+
+    _hooked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        original_forward = module.forward
+
+        def tp_forward(*args, **kwargs):
+            # Parameters are replaced by the loaded weights after setup, so hooks are attached at the first forward.
+            if torch.is_grad_enabled():
+                self.hook_parameters(module, mesh)
+            return original_forward(*args, **kwargs)
+
+        module.forward = tp_forward
+        return module
+
+    @classmethod
+    def hook_parameters(cls, module: nn.Module, mesh: DeviceMesh) -> None:
+        """Sum the gradients of ``module``'s own trainable parameters over ``mesh``, each once."""
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and cls._hooked.get(id(param)) is not param:
+                param.register_post_accumulate_grad_hook(_all_reduce_grad(mesh))
+                cls._hooked[id(param)] = param
+
+
+def _all_reduce_grad(mesh: DeviceMesh) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        dist.all_reduce(param.grad, group=mesh.get_group())
+
+    return hook
+
+
+REPLICATED_WITH_GRAD_ALLREDUCE_ONCE = ReplicatedWithGradAllReduceOnce()
+
+
+class SequenceParallelRowwise(RowwiseParallel):
+    """Rowwise linear that reduce-scatters its partial output onto sequence shards instead of all-reducing it."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Shard(-1), output_layouts=Shard(1))
+
+    def should_use_local_tensors(self, module: nn.Module) -> bool:
+        return False
+
+
+class SequenceParallelNorm(SequenceParallel):
+    """A per-token module (norm) run on sequence shards; its replicated weight gets its gradient summed over TP."""
+
+    def __init__(self) -> None:
+        super().__init__(sequence_dim=1, use_local_output=True)

@@ -1,0 +1,1 @@
+"""Doge sidecar: the attention stays replicated under TP (transformers' head-sharded plan cannot work)."""
