@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from model_sidecars import sidecar_class
+from tests.cases.sidecar_plans import gemma4_moe_parity
 from tests.cases.zoo import default_versus_sidecar
 from tests.causal_lm_zoo import tiny_config
 
@@ -73,3 +74,15 @@ def test_default_plan_fails_where_the_sidecar_matches_transformers(ranks2, model
         # transformers' own plan: a shape error (Doge), a mixed DTensor read (Gemma 4), wrong numbers (Gemma 3n).
         failed = default["status"] != "ok" or max(default["logits"], default["grad"]) > 100 * TOLERANCE
         assert failed, default
+
+
+@pytest.mark.distributed
+def test_gemma4_sidecar_plan_holds_under_expert_parallelism(ranks4):
+    """With its MoE block on, Gemma 4 takes the unified MoE path: the sidecar's plan (embedding and head replicated)
+    minus the expert rules (EP owns the experts) is what TP applies, and the model matches plain transformers."""
+    for result in ranks4.run(gemma4_moe_parity, {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2}):
+        assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, result
+        assert not result["grad_presence"], result
+        plan = result["plan"]
+        assert not [rule for rule in plan if rule.endswith(("embed_tokens", "lm_head")) or ".experts" in rule], plan
+        assert plan["model.language_model.layers.*.mlp.gate_proj"] == "colwise", plan
