@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,7 +25,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from automodel.distributed import MeshContext
 from automodel.distributed.runtime import log_rank_zero
 from automodel.distributed.tensor_parallel import set_user_tp_plan
+from automodel.keyword_arguments import check_loading_options, dtype_argument, unknown_keywords_error
 from automodel.loading import CheckpointPlan, read_json, resolve_checkpoint_dir
+from automodel.loading.hub import HubOptions
 from automodel.loading.pipeline import build_on_every_rank, load_parallelized, transformers_model
 from automodel.lora import add_lora
 from model_sidecars import sidecar_class
@@ -47,7 +48,7 @@ class _NeMoAutoBase:
         name_or_path: str | os.PathLike,
         *,
         mesh_context: MeshContext | None = None,
-        dtype: torch.dtype | str = "auto",
+        dtype: torch.dtype | str | None = None,
         revision: str | None = None,
         cache_dir: str | os.PathLike | None = None,
         local_files_only: bool = False,
@@ -58,7 +59,12 @@ class _NeMoAutoBase:
         tp_plan: dict[str, str] | str | None = None,
         peft_config: Any = None,
         torch_dtype: torch.dtype | str | None = None,
-        **config_overrides: Any,
+        force_download: bool = False,
+        use_safetensors: bool | None = None,
+        subfolder: str = "",
+        variant: str | None = None,
+        generation_config: GenerationConfig | None = None,
+        **kwargs: Any,
     ) -> nn.Module:
         """Load a checkpoint (hub id or local directory) straight into a model parallelized for ``mesh_context``.
 
@@ -68,27 +74,36 @@ class _NeMoAutoBase:
         ``tp_plan`` replaces the tensor-parallel plan (transformers style names, full module names with ``*`` for
         layer numbers; ``"auto"``: the model's own), e.g. to shard only the MLPs of a model whose heads do not divide
         ``tp_size``; it takes precedence over a sidecar's plan, and a rule that matches nothing is an error.
-        ``config_overrides`` update the config, as in transformers.
         ``peft_config`` (a ``peft.LoraConfig``) adds LoRA adapters before parallelization (FSDP2 path; see
         ``automodel.lora``): only they are trainable, initialised as peft does.
+
+        ``dtype`` (``"auto"`` by default: the config's), ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
+        ``trust_remote_code``, ``attn_implementation``, ``force_download``, ``use_safetensors``, ``subfolder``,
+        ``variant`` and ``generation_config`` mean what they mean in transformers; ``dtype`` wins over the deprecated
+        ``torch_dtype``. Other keywords override attributes of the config, as in transformers; one that is not an
+        attribute is a ``TypeError`` naming it. Options a mesh replaces (``device_map``, ``max_memory``, ...) and
+        quantization while loading (``load_in_8bit``, ``quantization_config``) are refused with the reason.
         """
-        dtype = _dtype_argument(dtype, torch_dtype)
-        directory = resolve_checkpoint_dir(
-            name_or_path,
+        dtype = dtype_argument(dtype, torch_dtype)
+        config_overrides = check_loading_options(kwargs)
+        hub = HubOptions(
             revision=revision,
             cache_dir=cache_dir,
             local_files_only=local_files_only,
             token=token,
             trust_remote_code=trust_remote_code,
+            force_download=force_download,
+            subfolder=subfolder,
+            use_safetensors=use_safetensors,
+            variant=variant,
         )
+        directory = resolve_checkpoint_dir(name_or_path, hub)
 
         def build() -> nn.Module:
             config = _load_config(name_or_path, directory, trust_remote_code, config_overrides)
             model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
-            generation_config = directory / "generation_config.json"
-            if generation_config.is_file() and hasattr(model, "generation_config"):
-                read_json(generation_config)  # a damaged file is reported with its path
-                model.generation_config = GenerationConfig.from_pretrained(directory)
+            if hasattr(model, "generation_config"):
+                model.generation_config = generation_config or _generation_config(directory, model)
             return model
 
         model = build_on_every_rank(build, f"Building the model of {name_or_path}")
@@ -99,7 +114,14 @@ class _NeMoAutoBase:
                 plan.keys.sources = add_lora(model, peft_config, mesh_context, plan.keys.sources)
 
         loaded = load_parallelized(
-            model, mesh_context, checkpoint=directory, strict=strict, prepare=prepare, progress=True
+            model,
+            mesh_context,
+            checkpoint=directory,
+            strict=strict,
+            prepare=prepare,
+            progress=True,
+            use_safetensors=use_safetensors,
+            variant=variant,
         )
         inner = transformers_model(loaded.model)
         log_rank_zero(logger, "%s from %s: %s", type(inner).__name__, directory, loaded.report.summary())
@@ -112,7 +134,7 @@ class _NeMoAutoBase:
         config: PretrainedConfig,
         *,
         mesh_context: MeshContext | None = None,
-        dtype: torch.dtype | str = "auto",
+        dtype: torch.dtype | str | None = None,
         seed: int = 0,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
@@ -125,7 +147,7 @@ class _NeMoAutoBase:
         to reproduce transformers' RNG stream exactly, each rank initialises the full model once on the CPU, keeps
         its shards and frees the rest (peak host memory: one full copy per rank during the call).
         """
-        dtype = _resolve_dtype(_dtype_argument(dtype, torch_dtype), config)
+        dtype = _resolve_dtype(dtype_argument(dtype, torch_dtype), config)
         kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
@@ -198,13 +220,6 @@ class NeMoAutoModel(_NeMoAutoBase):
     _auto_class = AutoModel
 
 
-def _dtype_argument(dtype: torch.dtype | str, torch_dtype: torch.dtype | str | None) -> torch.dtype | str:
-    if torch_dtype is None:
-        return dtype
-    warnings.warn("`torch_dtype` is deprecated: use `dtype`.", FutureWarning, stacklevel=3)
-    return torch_dtype
-
-
 def _resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:
     """``"auto"``: the dtype the config records (as transformers does), else float32."""
     if isinstance(dtype, torch.dtype):
@@ -223,6 +238,7 @@ def _resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.
 def _load_config(
     name_or_path: str | os.PathLike, directory: Path, trust_remote_code: bool, overrides: dict[str, Any]
 ) -> PretrainedConfig:
+    """The checkpoint's config with ``overrides`` applied; a keyword that is not a config attribute is an error."""
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json, so {name_or_path} is not a transformers checkpoint.")
@@ -240,4 +256,18 @@ def _load_config(
                 f"{name_or_path} (model_type={model_type!r}) ships its own modeling code, and loading it runs that "
                 "code. Pass trust_remote_code=True if you trust it."
             )
-    return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, **overrides)
+    config, unused = AutoConfig.from_pretrained(
+        directory, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
+    )
+    if unused:
+        raise unknown_keywords_error(unused, config)
+    return config
+
+
+def _generation_config(directory: Path, model: nn.Module) -> GenerationConfig:
+    """The checkpoint's generation config (a damaged file is reported with its path), else the model's default."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return model.generation_config
+    read_json(path)
+    return GenerationConfig.from_pretrained(directory)

@@ -20,7 +20,14 @@ from safetensors import SafetensorError, safe_open
 
 from .direct_read import SafetensorsHeader, contiguous_byte_range, read_header, read_into
 
-__all__ = ["CheckpointError", "CheckpointFiles", "MissingCheckpointFileError", "open_checkpoint", "read_json"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointFiles",
+    "MissingCheckpointFileError",
+    "open_checkpoint",
+    "read_json",
+    "weight_files",
+]
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -34,6 +41,7 @@ WEIGHT_FILES = [
     (BIN_INDEX, BIN_SINGLE, "bin"),
     ("diffusion_pytorch_model.bin.index.json", "diffusion_pytorch_model.bin", "bin"),
 ]
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
 MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors refuses larger headers: such a length is garbage, not truncation
 
 
@@ -203,11 +211,40 @@ def _checked_header(path: Path) -> SafetensorsHeader | None:
     return header
 
 
-def open_checkpoint(directory: Path) -> CheckpointFiles:
-    """Find the weights in ``directory`` (safetensors preferred, then ``.bin``; transformers' or diffusers' file names,
-    see ``WEIGHT_FILES``) and map every key to its file."""
+def weight_files(
+    use_safetensors: bool | None = None, variant: str | None = None, *, diffusers: bool = True
+) -> list[tuple[str, str, str]]:
+    """The ``(index, single file, kind)`` names to look for, in order, as transformers chooses them.
+
+    ``use_safetensors``: ``None`` prefers safetensors and falls back to ``.bin``, ``True`` takes safetensors only,
+    ``False`` ``.bin`` only. ``variant`` (e.g. ``"fp16"``) selects ``model.fp16.safetensors`` /
+    ``model.safetensors.index.fp16.json`` and their ``.bin`` counterparts, as transformers names them. ``diffusers``:
+    also diffusers' component names (``diffusion_pytorch_model.*``).
+    """
+    kinds = {None: ("safetensors", "bin"), True: ("safetensors",), False: ("bin",)}[use_safetensors]
+    return [
+        (_with_variant(index_name, variant), _with_variant(single_name, variant), kind)
+        for index_name, single_name, kind in WEIGHT_FILES
+        if kind in kinds and (diffusers or not single_name.startswith(DIFFUSERS_WEIGHTS))
+    ]
+
+
+def _with_variant(name: str, variant: str | None) -> str:
+    """transformers' ``_add_variant``: ``model.safetensors`` -> ``model.fp16.safetensors``."""
+    if not variant:
+        return name
+    stem, _, extension = name.rpartition(".")
+    return f"{stem}.{variant}.{extension}"
+
+
+def open_checkpoint(
+    directory: Path, *, use_safetensors: bool | None = None, variant: str | None = None
+) -> CheckpointFiles:
+    """Find the weights in ``directory`` (see :func:`weight_files`; transformers' or diffusers' file names) and map
+    every key to its file."""
     directory = Path(directory)
-    for index_name, single_name, kind in WEIGHT_FILES:
+    candidates = weight_files(use_safetensors, variant)
+    for index_name, single_name, kind in candidates:
         if (directory / index_name).is_file():
             weight_map = _read_index(directory / index_name)
             missing = sorted({name for name in weight_map.values() if not (directory / name).is_file()})
@@ -221,8 +258,13 @@ def open_checkpoint(directory: Path) -> CheckpointFiles:
             files = CheckpointFiles(directory, {}, kind)
             files.key_to_file = dict.fromkeys(_single_file_keys(directory / single_name, files, kind), single_name)
             return files
-    expected = ", ".join(name for index_name, single_name, _ in WEIGHT_FILES for name in (single_name, index_name))
-    raise MissingCheckpointFileError(f"No weights in {directory}: expected one of {expected}.")
+    expected = ", ".join(name for index_name, single_name, _ in candidates for name in (single_name, index_name))
+    chosen = "".join(
+        f" ({option}={value!r})"
+        for option, value in (("use_safetensors", use_safetensors), ("variant", variant))
+        if value is not None
+    )
+    raise MissingCheckpointFileError(f"No weights in {directory}{chosen}: expected one of {expected}.")
 
 
 def _read_index(path: Path) -> dict[str, str]:

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
 
 from .agreement import agree_or_raise
-from .checkpoint_files import BIN_INDEX, BIN_SINGLE, SAFE_INDEX, SAFE_SINGLE
+from .checkpoint_files import weight_files
 
 try:  # huggingface_hub >= 1.x: offline, a snapshot its cached tree listing shows to be partial
     from huggingface_hub.errors import IncompleteSnapshotError
 except ImportError:  # older releases return such a snapshot as it is
     IncompleteSnapshotError = None
 
-__all__ = ["resolve_checkpoint_dir"]
+__all__ = ["HubOptions", "resolve_checkpoint_dir"]
 
 METADATA_PATTERNS = [
     "config.json",
@@ -32,23 +34,45 @@ METADATA_PATTERNS = [
     "*.tiktoken",
     "chat_template*",
 ]
-# The weight files transformers loads, in the order checkpoint_files.open_checkpoint looks for them: an index and the
-# shards it names, else the single file; safetensors, else .bin. Never a pattern like "*.safetensors": repos also ship
-# other weights (Mistral's consolidated.safetensors, original/ folders) that would double the download.
-WEIGHT_FORMATS = [(SAFE_INDEX, SAFE_SINGLE), (BIN_INDEX, BIN_SINGLE)]
+# The weight files are the ones transformers loads, in the order checkpoint_files.open_checkpoint looks for them
+# (checkpoint_files.weight_files): an index and the shards it names, else the single file. Never a pattern like
+# "*.safetensors": repos also ship other weights (Mistral's consolidated.safetensors, original/ folders) that would
+# double the download.
 REMOTE_CODE_PATTERNS = ["*.py"]
 
 
+@dataclass(frozen=True)
+class HubOptions:
+    """How a checkpoint is found and fetched, with ``from_pretrained``'s meanings.
+
+    Args:
+        revision: branch, tag or commit of a hub id.
+        cache_dir: the Hugging Face cache to use (default: ``HF_HUB_CACHE``).
+        local_files_only: never download (also ``HF_HUB_OFFLINE=1``).
+        token: hub token, for gated and private repositories.
+        trust_remote_code: also fetch the model's Python files.
+        force_download: download the files again even if they are cached.
+        subfolder: the checkpoint lies in this folder of the repository or directory.
+        use_safetensors: ``None`` prefers safetensors, ``True`` requires them, ``False`` reads ``.bin`` files.
+        variant: the weights' variant, e.g. ``"fp16"`` for ``model.fp16.safetensors``.
+    """
+
+    revision: str | None = None
+    cache_dir: str | os.PathLike | None = None
+    local_files_only: bool = False
+    token: str | bool | None = None
+    trust_remote_code: bool = False
+    force_download: bool = False
+    subfolder: str = ""
+    use_safetensors: bool | None = None
+    variant: str | None = None
+
+
 def resolve_checkpoint_dir(
-    name_or_path: str | os.PathLike,
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-    trust_remote_code: bool = False,
+    name_or_path: str | os.PathLike, options: HubOptions | None = None, **option_values: Any
 ) -> Path:
-    """A local directory holding the checkpoint: ``name_or_path`` itself, or the hub snapshot of that id.
+    """A local directory holding the checkpoint: ``name_or_path`` itself (or its ``subfolder``), or the hub snapshot
+    of that id (``options`` as a ``HubOptions`` or its fields as keywords).
 
     Only what loading needs is fetched (config, generation config, the weight files the index names, tokenizer
     files, and the model's Python files when ``trust_remote_code``). Under ``torch.distributed`` the first rank of each
@@ -56,64 +80,76 @@ def resolve_checkpoint_dir(
     every rank. ``HF_HUB_OFFLINE``, ``HF_HOME`` / ``cache_dir``, ``revision`` and ``local_files_only`` mean what they
     mean in ``huggingface_hub``.
     """
+    options = options or HubOptions(**option_values)
     directory, error = None, None
     try:
-        directory = _resolve(name_or_path, revision, cache_dir, local_files_only, token, trust_remote_code)
+        directory = _resolve(name_or_path, options)
     except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
         error = exc
     agree_or_raise(error, f"Resolving {name_or_path}")
     return directory
 
 
-def _resolve(
-    name_or_path: str | os.PathLike,
-    revision: str | None,
-    cache_dir: str | os.PathLike | None,
-    local_files_only: bool,
-    token: str | bool | None,
-    trust_remote_code: bool,
-) -> Path:
+def _resolve(name_or_path: str | os.PathLike, options: HubOptions) -> Path:
     path = Path(name_or_path)
     if path.is_dir():
-        return path
+        return _in_subfolder(path, options.subfolder, name_or_path)
     if path.is_absolute() or str(name_or_path).startswith((".", "~")) or str(name_or_path).count("/") > 1:
         raise FileNotFoundError(f"{name_or_path} is neither a local directory nor a Hugging Face model id.")
     repo_id = str(name_or_path)
-    offline = local_files_only or constants.HF_HUB_OFFLINE
+    offline = options.local_files_only or constants.HF_HUB_OFFLINE
+    prefix = f"{options.subfolder.strip('/')}/" if options.subfolder else ""
 
     def fetch(patterns: list[str], only_local: bool, commit: str | None) -> Path:
-        extra = REMOTE_CODE_PATTERNS if trust_remote_code else []
         return Path(
             snapshot_download(
                 repo_id,
-                revision=commit or revision,
-                cache_dir=cache_dir,
-                token=token,
+                revision=commit or options.revision,
+                cache_dir=options.cache_dir,
+                token=options.token,
                 local_files_only=only_local,
-                allow_patterns=METADATA_PATTERNS + extra + patterns,
+                force_download=options.force_download and not only_local,
+                allow_patterns=[prefix + pattern for pattern in patterns],
             )
         )
 
+    metadata = METADATA_PATTERNS + (REMOTE_CODE_PATTERNS if options.trust_remote_code else [])
+    files = weight_files(options.use_safetensors, options.variant, diffusers=False)
     try:
-        return _once_per_node(lambda: _fetch_weights(fetch, offline), lambda: _fetch_weights(fetch, True))
+        snapshot = _once_per_node(
+            lambda: _fetch_weights(fetch, offline, metadata, files, prefix),
+            lambda: _fetch_weights(fetch, True, metadata, files, prefix),
+        )
     except LocalEntryNotFoundError as error:
-        raise _not_in_cache(repo_id, revision, cache_dir, offline, error) from error
+        raise _not_in_cache(repo_id, options.revision, options.cache_dir, offline, error) from error
+    return _in_subfolder(snapshot, options.subfolder, name_or_path)
 
 
-def _fetch_weights(fetch, only_local: bool) -> Path:
-    """The snapshot with the metadata and the weight files loading reads (see ``WEIGHT_FORMATS``), nothing else.
+def _in_subfolder(directory: Path, subfolder: str, name_or_path: str | os.PathLike) -> Path:
+    if not subfolder:
+        return directory
+    inner = directory / subfolder
+    if not inner.is_dir():
+        raise FileNotFoundError(f"{name_or_path} has no subfolder {subfolder!r}.")
+    return inner
+
+
+def _fetch_weights(
+    fetch, only_local: bool, metadata: list[str], files: list[tuple[str, str, str]], prefix: str
+) -> Path:
+    """The snapshot with the metadata and the weight files loading reads (see ``weight_files``), nothing else.
 
     Every call after the first asks for the commit the first one resolved (the snapshot folder's name), so the
     index and its shards come from one commit even if the branch moves meanwhile.
     """
-    directory = fetch([], only_local, None)
+    directory = fetch(metadata, only_local, None)
     commit = directory.name
-    for index_name, single_name in WEIGHT_FORMATS:
+    for index_name, single_name, _ in files:
         directory = fetch([index_name], only_local, commit)
-        if (directory / index_name).is_file():
-            return fetch([index_name, *_shard_names(directory / index_name)], only_local, commit)
+        if (directory / prefix / index_name).is_file():
+            return fetch([index_name, *_shard_names(directory / prefix / index_name)], only_local, commit)
         directory = fetch([single_name], only_local, commit)
-        if (directory / single_name).is_file():
+        if (directory / prefix / single_name).is_file():
             return directory
     return directory  # no weights: open_checkpoint says so
 

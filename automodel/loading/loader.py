@@ -61,7 +61,14 @@ class CheckpointPlan:
     keys: KeyPlan
 
 
-def plan_checkpoint(model: nn.Module, directory: Path, *, strict: bool = True) -> CheckpointPlan:
+def plan_checkpoint(
+    model: nn.Module,
+    directory: Path,
+    *,
+    strict: bool = True,
+    use_safetensors: bool | None = None,
+    variant: str | None = None,
+) -> CheckpointPlan:
     """Check the checkpoint in ``directory`` against ``model`` (built on meta, not yet parallelized) on every rank.
 
     Opens every file (a missing, truncated or corrupt shard fails here), maps its keys through transformers'
@@ -70,7 +77,7 @@ def plan_checkpoint(model: nn.Module, directory: Path, *, strict: bool = True) -
     """
     plan, error = None, None
     try:
-        files = open_checkpoint(directory)
+        files = open_checkpoint(directory, use_safetensors=use_safetensors, variant=variant)
         files.validate()
         plan = CheckpointPlan(directory, files, _checked_keys(model, files, strict=strict))
     except (CheckpointError, ValueError, OSError) as exc:

@@ -61,17 +61,21 @@ def load_parallelized(
     strict: bool = True,
     prepare: Prepare | None = None,
     progress: bool = False,
+    use_safetensors: bool | None = None,
+    variant: str | None = None,
 ) -> Loaded:
     """Turn ``model`` (built on the meta device) into a parallelized model holding its weights.
 
     The weights come from the ``checkpoint`` directory (each rank reading only the slices of its shards; checked
-    against the model first, with ``strict`` key matching) or from full in-memory ``weights`` by name (``from_config``
-    copies each rank's shards out of them). ``prepare(model, plan)`` runs after the check and before
+    against the model first, with ``strict`` key matching; ``use_safetensors`` and ``variant`` choose its files) or from
+    full in-memory ``weights`` by name (``from_config`` copies each rank's shards out of them). ``prepare(model, plan)`` runs after the check and before
     parallelization (LoRA injection). Without ``mesh_context`` the model is filled whole on the CPU.
     """
     if (checkpoint is None) == (weights is None):
         raise ValueError("load_parallelized needs exactly one of `checkpoint` and `weights`.")
-    plan = plan_checkpoint(model, checkpoint, strict=strict) if checkpoint is not None else None
+    plan = None
+    if checkpoint is not None:
+        plan = plan_checkpoint(model, checkpoint, strict=strict, use_safetensors=use_safetensors, variant=variant)
     if prepare is not None:
         prepare(model, plan)
     if mesh_context is not None:

@@ -1,0 +1,118 @@
+"""``from_pretrained``'s keyword arguments follow transformers: loading options honoured, options a mesh replaces and
+quantization refused with the reason, config attributes overridden, anything else a ``TypeError`` that names it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from automodel.auto_model import NeMoAutoModelForCausalLM
+from automodel.loading import MissingCheckpointFileError
+from tests.tiny_models import build_model, tiny_config, token_batch
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("options") / "llama"
+    build_model(tiny_config("llama")).save_pretrained(directory)
+    return directory
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=token_batch(batch_size=2)).logits
+
+
+def test_unknown_keyword_is_a_type_error_with_close_matches(checkpoint):
+    with pytest.raises(TypeError, match=r"'bogus_kwarg_xyz'") as error:
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, bogus_kwarg_xyz=1)
+    assert "neither loading options nor attributes of LlamaConfig" in str(error.value)
+    with pytest.raises(TypeError, match=r"'rms_norm_epss' \(did you mean 'rms_norm_eps'\?\)"):
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, rms_norm_epss=1e-3)
+    with pytest.raises(TypeError, match=r"'use_safetensor' \(did you mean 'use_safetensors'"):
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, use_safetensor=True)
+
+
+def test_config_attributes_are_overridden_as_in_transformers(checkpoint):
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, rms_norm_eps=1e-3)
+    assert model.config.rms_norm_eps == 1e-3
+    assert AutoModelForCausalLM.from_pretrained(checkpoint, rms_norm_eps=1e-3).config.rms_norm_eps == 1e-3
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value", "expected"),
+    [
+        ("load_in_8bit", True, "asks to quantize the model while loading, which is not supported"),
+        ("load_in_4bit", True, "asks to quantize the model while loading"),
+        ("quantization_config", {"quant_method": "bitsandbytes"}, "asks to quantize the model while loading"),
+        ("device_map", "auto", "cannot be combined with a mesh: it places whole modules on devices"),
+        ("max_memory", {0: "1GB"}, "cannot be combined with a mesh"),
+        ("offload_folder", "/tmp/x", "cpu_offload=True"),
+        ("tp_size", 2, "MeshContext.build(tp_size=...)"),
+        ("low_cpu_mem_usage", False, "always built on the meta device"),
+        ("gguf_file", "model.gguf", "convert them to safetensors first"),
+        ("ignore_mismatched_sizes", True, "strict=False"),
+    ],
+)
+def test_options_a_mesh_replaces_and_quantization_are_refused(checkpoint, keyword, value, expected):
+    with pytest.raises(ValueError, match=rf"from_pretrained\({keyword}=") as error:
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, **{keyword: value})
+    assert expected in str(error.value), error.value
+
+
+def test_low_cpu_mem_usage_true_is_what_loading_does_anyway(checkpoint):
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, low_cpu_mem_usage=True)
+    assert torch.equal(_logits(model), _logits(AutoModelForCausalLM.from_pretrained(checkpoint)))
+
+
+def test_tp_plan_auto_means_the_models_own_plan(checkpoint):
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto")
+    assert not hasattr(model, "_automodel_user_tp_plan")
+
+
+def test_dtype_wins_over_torch_dtype_with_transformers_warning(checkpoint):
+    with pytest.warns(FutureWarning, match=r"`torch_dtype` is deprecated! Use `dtype` instead!"):
+        model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, torch_dtype=torch.float16)
+    assert model.dtype == torch.bfloat16
+    # transformers logs the same sentence (as a logger warning) and lets dtype win too.
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, torch_dtype=torch.float16)
+    assert reference.dtype == torch.bfloat16
+
+
+def test_subfolder(checkpoint, tmp_path):
+    shutil.copytree(checkpoint, tmp_path / "repo" / "weights" / "main")
+    model = NeMoAutoModelForCausalLM.from_pretrained(tmp_path / "repo", subfolder="weights/main")
+    assert torch.equal(_logits(model), _logits(AutoModelForCausalLM.from_pretrained(checkpoint)))
+    with pytest.raises(FileNotFoundError, match="has no subfolder 'nope'"):
+        NeMoAutoModelForCausalLM.from_pretrained(tmp_path / "repo", subfolder="nope")
+
+
+def test_variant_selects_the_weight_files(tmp_path):
+    build_model(tiny_config("llama"), seed=3).save_pretrained(tmp_path, variant="ema", max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.ema.json").is_file()
+    model = NeMoAutoModelForCausalLM.from_pretrained(tmp_path, variant="ema")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, variant="ema")
+    assert torch.equal(_logits(model), _logits(reference))
+    with pytest.raises(MissingCheckpointFileError, match="No weights in"):
+        NeMoAutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_use_safetensors_chooses_between_safetensors_and_bin(tmp_path):
+    build_model(tiny_config("llama"), seed=4).save_pretrained(tmp_path)  # model.safetensors
+    bin_model = build_model(tiny_config("llama"), seed=5)
+    torch.save(bin_model.state_dict(), tmp_path / "pytorch_model.bin")  # other weights, as a .bin
+    preferred = NeMoAutoModelForCausalLM.from_pretrained(tmp_path)
+    forced_bin = NeMoAutoModelForCausalLM.from_pretrained(tmp_path, use_safetensors=False)
+    assert torch.equal(_logits(preferred), _logits(AutoModelForCausalLM.from_pretrained(tmp_path)))
+    assert torch.equal(_logits(forced_bin), _logits(bin_model.eval()))
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(MissingCheckpointFileError, match=r"\(use_safetensors=True\)"):
+        NeMoAutoModelForCausalLM.from_pretrained(tmp_path, use_safetensors=True)
+
+
+def test_generation_config_argument(checkpoint):
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, generation_config=GenerationConfig(max_new_tokens=7))
+    assert model.generation_config.max_new_tokens == 7
