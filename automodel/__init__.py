@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        # The checkpoint writer behind save_pretrained of parallelized models registers itself on import.
+        importlib.import_module("automodel.loading")
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

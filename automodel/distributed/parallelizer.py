@@ -36,6 +36,7 @@ from .fsdp import fsdp_mesh, fully_shard_default, shard_default_units
 from .hook_policy import check_hooks, path_name
 from .megatron_fsdp import require_megatron_fsdp
 from .mesh import MeshContext
+from .parallel_model import adopt_parallelized_class
 from .runtime import log_rank_zero
 from .tensor_parallel import resolve_tp_plan, validate_attention_heads
 
@@ -64,14 +65,17 @@ class ModelParallelizer:
 
         The model may be on the meta device (weights are loaded afterwards into the shards) or hold real weights
         (every rank must then hold the same ones). Every request that cannot be honoured raises before the model is
-        touched, identically on every rank.
+        touched, identically on every rank. A transformers model keeps its class, as a subclass whose
+        ``save_pretrained`` and ``push_to_hub`` are collective and write the consolidated checkpoint.
         """
         check_hooks(self, mesh_context)
         _check_strategy(mesh_context)
         log_rank_zero(
             logger, "Parallelizing %s with %s on %s", type(model).__name__, type(self).__name__, path_name(mesh_context)
         )
-        return self._apply(model, **_apply_arguments(self, mesh_context))
+        model = self._apply(model, **_apply_arguments(self, mesh_context))
+        adopt_parallelized_class(model)
+        return model
 
     # ----------------------------------------------------------------------------------------------------------------
     # Protected hooks: the narrow extension points for model sidecars.

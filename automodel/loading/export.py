@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,14 @@ from automodel.distributed.runtime import full_tensor, is_rank_zero
 from .agreement import agree_or_raise
 from .model_card import ModelCardInfo, push_to_hub, write_model_card
 
-__all__ = ["ModelCardInfo", "push_to_hub", "save_hf_checkpoint", "write_model_card"]
+__all__ = [
+    "ModelCardInfo",
+    "push_to_hub",
+    "replace_weights_in",
+    "save_hf_checkpoint",
+    "write_checkpoint",
+    "write_model_card",
+]
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
@@ -48,6 +55,7 @@ class _ExportPlan:
     files: dict[str, list[str]]  # file name -> stored names, in writing order
     index: dict[str, Any] | None  # model.safetensors.index.json, None for a single file
     dtype: torch.dtype  # the model's, recorded in config.json
+    index_name: str = INDEX_NAME  # with the variant, if any
 
 
 def save_hf_checkpoint(
@@ -59,6 +67,7 @@ def save_hf_checkpoint(
     model_card: ModelCardInfo | None = None,
     model_id: str | None = None,
     overwrite: bool = False,
+    variant: str | None = None,
 ) -> Path:
     """Collective (call on every rank): write ``model`` to ``directory`` as a checkpoint plain transformers loads.
 
@@ -72,16 +81,46 @@ def save_hf_checkpoint(
 
     The export is written into a temporary sibling directory and renamed into place at the end, so a failure leaves
     neither a half-written export nor the temporary directory. An existing non-empty ``directory`` is refused unless
-    ``overwrite=True``. Every error is raised on every rank.
+    ``overwrite=True``. ``variant`` names the weight files as transformers does (``model.fp16.safetensors``). Every
+    error is raised on every rank.
     """
+    return write_checkpoint(
+        model,
+        directory,
+        place=_replace_directory if overwrite else _new_directory,
+        tokenizer=tokenizer,
+        max_shard_size=max_shard_size,
+        model_card=model_card,
+        model_id=model_id,
+        variant=variant,
+    )
+
+
+Placement = Callable[[Path, Path], None]
+
+
+def write_checkpoint(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    place: Placement,
+    tokenizer: Any = None,
+    max_shard_size: str | int = "5GB",
+    model_card: ModelCardInfo | None = None,
+    model_id: str | None = None,
+    variant: str | None = None,
+) -> Path:
+    """Collective: the export of :func:`save_hf_checkpoint`, staged beside ``directory`` and moved there by
+    ``place(staging, target)`` (rank 0), which may refuse the target before anything is written (``place`` is
+    called with a ``None`` staging directory first, to check)."""
     target = Path(directory).absolute()
     plan, error = None, None
     try:
         inner = _transformers_model(model)
         _check_arguments(inner, tokenizer, model_card)
         if is_rank_zero():
-            _check_target(target, overwrite)
-        plan = _plan_export(inner, max_shard_size)
+            place(None, target)
+        plan = _plan_export(inner, max_shard_size, variant)
     except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
         error = exc
     agree_or_raise(error, f"Exporting the model to {target}")
@@ -105,7 +144,7 @@ def save_hf_checkpoint(
         try:
             if staging is not None:
                 _write_metadata(inner, plan, staging, tokenizer, model_card, model_id or str(target))
-                _move_into_place(staging, target)
+                place(staging, target)
                 staging = None
         except Exception as exc:
             error = exc
@@ -144,16 +183,7 @@ def _check_arguments(model: PreTrainedModel, tokenizer: Any, model_card: ModelCa
         )
 
 
-def _check_target(target: Path, overwrite: bool) -> None:
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"{target} exists and is not a directory: export to a directory.")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{target} already exists and is not empty: choose another directory, or pass overwrite=True to replace it."
-        )
-
-
-def _plan_export(model: PreTrainedModel, max_shard_size: str | int) -> _ExportPlan:
+def _plan_export(model: PreTrainedModel, max_shard_size: str | int, variant: str | None = None) -> _ExportPlan:
     """Decide names, files and the source of every stored tensor from shapes alone (no data is touched)."""
     sources = dict(model.state_dict())
     for key in model._keys_to_ignore_on_save or ():
@@ -166,7 +196,7 @@ def _plan_export(model: PreTrainedModel, max_shard_size: str | int) -> _ExportPl
     source_of = _stored_sources(model, stand_ins, stored)
     try:
         split = split_torch_state_dict_into_shards(
-            stored, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
+            stored, filename_pattern=_with_variant(WEIGHTS_PATTERN, variant), max_shard_size=max_shard_size
         )
     except ValueError as exc:
         raise ValueError(
@@ -176,7 +206,19 @@ def _plan_export(model: PreTrainedModel, max_shard_size: str | int) -> _ExportPl
     if split.is_sharded:
         total = {"total_parameters": model.num_parameters(), **split.metadata}
         index = {"metadata": total, "weight_map": split.tensor_to_filename}
-    return _ExportPlan(sources, source_of, dict(split.filename_to_tensors), index, model.dtype)
+    files = dict(split.filename_to_tensors)
+    return _ExportPlan(sources, source_of, files, index, model.dtype, _with_variant(INDEX_NAME, variant))
+
+
+def _with_variant(name: str, variant: str | None) -> str:
+    """transformers' file names for a variant: ``model{suffix}.safetensors`` -> ``model.fp16{suffix}.safetensors``,
+    ``model.safetensors.index.json`` -> ``model.safetensors.index.fp16.json``."""
+    if not variant:
+        return name
+    stem, _, extension = name.rpartition(".")
+    if stem.endswith("{suffix}"):
+        return f"{stem.removesuffix('{suffix}')}.{variant}{{suffix}}.{extension}"
+    return f"{stem}.{variant}.{extension}"
 
 
 def _stored_sources(
@@ -245,7 +287,7 @@ def _write_metadata(
 ) -> None:
     """Rank 0: the index, configs, tokenizer files and model card next to the weights."""
     if plan.index is not None:
-        (staging / INDEX_NAME).write_text(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
+        (staging / plan.index_name).write_text(json.dumps(plan.index, indent=2, sort_keys=True) + "\n")
     config = copy.deepcopy(model.config)
     config.architectures = [_architecture_name(model)]
     config.dtype = str(plan.dtype).removeprefix("torch.")
@@ -263,8 +305,28 @@ def _make_staging_dir(target: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".export-tmp", dir=target.parent))
 
 
-def _move_into_place(staging: Path, target: Path) -> None:
-    """Rename the finished export to ``target``; an existing ``target`` (empty, or overwritten) is removed after."""
+def _new_directory(staging: Path | None, target: Path) -> None:
+    """Placement: ``target`` must not exist or be empty; the export is renamed to it."""
+    if staging is None:
+        if target.exists() and not target.is_dir():
+            raise NotADirectoryError(f"{target} exists and is not a directory: export to a directory.")
+        if target.is_dir() and any(target.iterdir()):
+            raise FileExistsError(
+                f"{target} already exists and is not empty: choose another directory, or pass overwrite=True to "
+                "replace it."
+            )
+        return
+    if target.exists():
+        target.rmdir()
+    staging.rename(target)
+
+
+def _replace_directory(staging: Path | None, target: Path) -> None:
+    """Placement: the export replaces ``target`` and everything in it; the old one is removed only after the rename."""
+    if staging is None:
+        if target.exists() and not target.is_dir():
+            raise NotADirectoryError(f"{target} exists and is not a directory: export to a directory.")
+        return
     if not target.exists():
         staging.rename(target)
         return
@@ -277,6 +339,27 @@ def _move_into_place(staging: Path, target: Path) -> None:
         previous.rmdir()
         raise
     shutil.rmtree(previous)
+
+
+def replace_weights_in(staging: Path | None, target: Path) -> None:
+    """Placement, as ``save_pretrained`` does it: the export's files go into ``target`` (created if needed), whose
+    earlier weight files are removed first; its other files (a tokenizer, a README) stay. Each file is replaced
+    atomically."""
+    if staging is None:
+        if target.exists() and not target.is_dir():
+            raise NotADirectoryError(f"{target} exists and is not a directory: save to a directory.")
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    for stale in target.iterdir():
+        if stale.is_file() and _is_weight_file(stale.name):
+            stale.unlink()
+    for path in staging.iterdir():
+        os.replace(path, target / path.name)
+    staging.rmdir()
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.startswith(("model.", "model-", "pytorch_model")) and name.endswith((".safetensors", ".bin", ".json"))
 
 
 def _architecture_name(model: PreTrainedModel) -> str:

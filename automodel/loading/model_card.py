@@ -60,12 +60,16 @@ def push_to_hub(
     directory: str | os.PathLike,
     repo_id: str,
     *,
-    token: str | None = None,
+    token: str | bool | None = None,
     private: bool = False,
     commit_message: str = "Upload model trained with automodel",
+    commit_description: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
 ) -> str:
     """Upload an export (``save_hf_checkpoint``'s directory) to the hub repo ``repo_id``, creating the repo if needed;
-    return the commit URL. Call it on one process (e.g. rank 0), after the export."""
+    return the commit URL (of the pull request with ``create_pr``). Call it on one process (e.g. rank 0), after the
+    export."""
     folder = Path(directory)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -73,10 +77,15 @@ def push_to_hub(
         )
     api = HfApi(token=token)
     repo = api.create_repo(repo_id, exist_ok=True, private=private)
+    optional = {"commit_description": commit_description, "revision": revision, "create_pr": create_pr or None}
     commit = api.upload_folder(
-        repo_id=getattr(repo, "repo_id", repo_id), folder_path=folder, commit_message=commit_message, repo_type="model"
+        repo_id=getattr(repo, "repo_id", repo_id),
+        folder_path=folder,
+        commit_message=commit_message,
+        repo_type="model",
+        **{key: value for key, value in optional.items() if value is not None},
     )
-    return commit.commit_url
+    return commit.pr_url if create_pr and getattr(commit, "pr_url", None) else commit.commit_url
 
 
 def _is_hub_id(name: str) -> bool:

@@ -97,3 +97,38 @@ def export_refused(checkpoint: str, directory: str) -> str:
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def save_pretrained_parity(checkpoint: str, layout: dict[str, Any], directory: str) -> dict[str, Any] | None:
+    """Load ``checkpoint`` for ``layout``, train one step and call ``save_pretrained`` on every rank, as transformers'
+    distributed docs do; on rank 0 load the result with plain transformers and compare logits (rank 0 returns the
+    facts, the others None)."""
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context)
+    sgd_step(model)
+    batch = token_batch()
+    with torch.no_grad():
+        sharded_logits = full_tensor(model(batch).logits).detach()
+    model.save_pretrained(directory, max_shard_size="40KB")
+    if dist.get_rank() != 0:
+        return None
+    saved = AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        logits = saved(batch).logits
+    return {
+        "same_class": isinstance(model, type(saved)),
+        "files": sorted(path.name for path in Path(directory).iterdir()),
+        "logits": (logits - sharded_logits).abs().max().item(),
+        "stored_keys": sorted(stored_keys(Path(directory))),
+        "plain_keys": describe_export(Path(directory), checkpoint)["save_pretrained_keys"],
+    }
+
+
+def save_pretrained_error(checkpoint: str, **kwargs: Any) -> str:
+    """The error ``save_pretrained(..., **kwargs)`` of a parallelized model raises on this rank."""
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=MeshContext.build("fsdp2"))
+    try:
+        model.save_pretrained(tempfile.mkdtemp(), **kwargs)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
