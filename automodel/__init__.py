@@ -20,6 +20,7 @@ _LAZY = {
     "NeMoAutoModel": "automodel.auto_model",
     "NeMoAutoModelForCausalLM": "automodel.auto_model",
     "NeMoAutoDiffusionPipeline": "automodel.diffusion",
+    "clip_grad_norm_": "automodel.distributed.grad_clipping",
 }
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "NeMoAutoDiffusionPipeline",
     "NeMoAutoModel",
     "NeMoAutoModelForCausalLM",
+    "clip_grad_norm_",
 ]
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
         ModelParallelizer,
         MoEConfig,
     )
+    from automodel.distributed.grad_clipping import clip_grad_norm_
 
 
 def __getattr__(name: str) -> Any:

@@ -122,14 +122,18 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False, replay_rout
 
     With ``replay_routing`` routing decisions (top-k) are recorded in forward and replayed in the recomputation.
     """
-    inner = module.forward
+    # The checkpointed function is looked up on every call, so that a step after this one can still wrap what runs
+    # inside the checkpoint (and so in its recomputation): TP's local-replica swap, installed after a sidecar's early
+    # checkpointing, must run in the recomputation too.
+    module._automodel_checkpointed_forward = module.forward
     if selective:
         context_fn = functools.partial(_selective_contexts, replay_routing)
     else:
         context_fn = _routing_contexts if replay_routing else noop_context_fn
 
-    @functools.wraps(inner)
+    @functools.wraps(module.forward)
     def forward(*args, **kwargs):
+        inner = module._automodel_checkpointed_forward
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         # The backward replay would write the KV cache a second time (as transformers' own checkpointing layer

@@ -82,12 +82,19 @@ def plan_tensor_parallel(
 
 
 def tensor_parallel_step(
-    model: nn.Module, tp_mesh: DeviceMesh, choice: TPPlanChoice | None, sequence_parallel: bool
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    choice: TPPlanChoice | None,
+    sequence_parallel: bool,
+    expert_names: list[str],
 ) -> str | None:
-    """Shard the plan's parameters over ``tp`` and install its forward transforms (+ sequence parallelism)."""
+    """Shard the plan's parameters over ``tp`` and install its forward transforms (+ sequence parallelism); the routed
+    experts are left to EP."""
     if choice is None:
         return None
-    apply_tensor_parallel(model, tp_mesh, choice.plan, sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(
+        model, tp_mesh, choice.plan, sequence_parallel=sequence_parallel, owned_elsewhere=expert_names
+    )
     sp = ", sequence parallel" if sequence_parallel else ""
     return f"TP over tp={tp_mesh.size()} (plan: {len(choice.plan)} rules from {choice.source}{sp})"
 

@@ -111,7 +111,7 @@ class ModelParallelizer:
         tp_plan = checklist.plan_tensor_parallel(self, model, tp_mesh, tp_shard_plan, expert_names)
         requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
 
-        done = [checklist.tensor_parallel_step(model, tp_mesh, tp_plan, sequence_parallel)]
+        done = [checklist.tensor_parallel_step(model, tp_mesh, tp_plan, sequence_parallel, expert_names)]
         experts = checklist.expert_parallel_step(model, context, expert_names)
         if experts:
             done.append(f"EP over ep={context.ep_size}: {sum(map(len, experts))} experts modules")

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from .runtime import log_rank_zero
-from .tp_styles import REPLICATED_WITH_GRAD_ALLREDUCE_ONCE, TensorParallelLayer, shards_output
+from .tp_styles import REPLICATED_WITH_GRAD_ALLREDUCE_ONCE, TensorParallelLayer, is_replicated, shards_output
 
 __all__ = ["reduce_partial_gradients"]
 
@@ -123,4 +123,7 @@ def _plain_tensors(tree: Any) -> list[torch.Tensor]:
 
 
 def _owns_replicated_trainable(module: nn.Module) -> bool:
-    return any(param.requires_grad and not isinstance(param, DTensor) for param in module.parameters(recurse=False))
+    return any(
+        param.requires_grad and (is_replicated(param) or not isinstance(param, DTensor))
+        for param in module.parameters(recurse=False)
+    )

@@ -28,6 +28,8 @@ from .tp_styles import (
     TensorParallelLayer,
     install_module_style,
     packed_fused_projections,
+    places_own_parameters,
+    replicate_on_mesh,
     style_named,
 )
 
@@ -159,10 +161,14 @@ def validate_attention_heads(model: nn.Module, tp_size: int, plan: TPPlan) -> No
             )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, sequence_parallel: bool, owned_elsewhere: list[str] = ()
+) -> None:
     """Shard parameters and install the forward transforms of every plan entry on ``tp_mesh``.
 
     With ``sequence_parallel`` the decoder layers run on sequence shards (see :func:`_sequence_parallel_styles`).
+    Parameters the plan does not shard become replicated DTensors on ``tp_mesh`` (:func:`tp_styles.replicate_on_mesh`),
+    except inside the modules named in ``owned_elsewhere`` (the routed experts EP places next).
     Tied parameters stay one ``Parameter``.
     """
     tied = tied_parameter_names(model)
@@ -177,10 +183,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *
             module_name, _, param_name = name.rpartition(".")
             style.validate_param(modules[module_name], param_name, tp_mesh, parameter_name=name)
             style.shard_param(modules[module_name], param_name, tp_mesh)
-        else:
-            install_module_style(model, modules[name], style, tp_mesh)
     _check_tied_placements(model, tied)
     retie_parameters(model, tied)
+    # Every other parameter becomes a replicated DTensor on the TP mesh, computed on as its local tensor, so that all
+    # parameters live on one mesh (torch's clip_grad_norm_ and foreach optimizers need that); before the styles are
+    # installed, so that they wrap the local-tensor forward.
+    own_placement = [
+        modules[name] for name, style in styles.items() if name in modules and places_own_parameters(style)
+    ]
+    elsewhere = [inner for name in owned_elsewhere for inner in modules[name].modules()]
+    replicate_on_mesh(model, tp_mesh, skip=own_placement + elsewhere)
+    for name, style in styles.items():
+        if name in modules:
+            install_module_style(model, modules[name], style, tp_mesh)
     reduce_partial_gradients(model, tp_mesh, styles)
 
 

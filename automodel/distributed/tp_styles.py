@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map_only
 
 from .hf_plans import (
@@ -49,6 +49,9 @@ from .hf_plans import (
 
 __all__ = [
     "REPLICATED_WITH_GRAD_ALLREDUCE_ONCE",
+    "is_replicated",
+    "places_own_parameters",
+    "replicate_on_mesh",
     "ReplicatedWithGradAllReduceOnce",
     "SequenceParallelNorm",
     "SequenceParallelRowwise",
@@ -84,6 +87,77 @@ def packed_fused_projections(plan: dict[str, str]) -> dict[str, str]:
     if changed:
         logger.info("TP plan: %s shard fused gate/up projections, so they use 'packed_colwise', not 'colwise'", changed)
     return fixed
+
+
+def places_own_parameters(style: TensorParallelLayer) -> bool:
+    """Whether installing ``style`` on a module turns the module's own parameters into DTensors itself (transformers'
+    sequence-parallel style replicates a norm's weight and computes on DTensors)."""
+    return isinstance(style, SequenceParallel)
+
+
+def is_replicated(tensor: torch.Tensor) -> bool:
+    """A DTensor replicated on every dimension of its mesh."""
+    return isinstance(tensor, DTensor) and all(isinstance(placement, Replicate) for placement in tensor.placements)
+
+
+def replicate_on_mesh(model: nn.Module, mesh: DeviceMesh, *, skip: list[nn.Module]) -> None:
+    """Make every plain parameter of ``model`` (outside the modules in ``skip``) a DTensor replicated on ``mesh``, and
+    let the model compute on their local tensors, exactly as before (their gradients come back as replicated
+    DTensors, identical on every rank of ``mesh``). Shared parameters stay shared.
+
+    Then every parameter of a TP model is a DTensor on the TP mesh (and, once FSDP2 shards them, on one 2-D mesh), as
+    torchtitan has it: ``torch.nn.utils.clip_grad_norm_`` and foreach / fused optimizers work on them.
+    """
+    skipped = {id(module) for module in skip}
+    replicas: dict[int, nn.Parameter] = {}
+    slots: dict[int, list[str]] = {}
+    for module in model.modules():
+        if id(module) in skipped:
+            continue
+        for name, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            if id(param) not in replicas:
+                data = distribute_tensor(param.detach(), mesh, [Replicate()], src_data_rank=None)
+                replicas[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            module._parameters[name] = replicas[id(param)]
+            slots.setdefault(id(module), []).append(name)
+    if slots:
+        _compute_on_local_replicas(model, slots)
+
+
+def _compute_on_local_replicas(model: nn.Module, slots: dict[int, list[str]]) -> None:
+    """Wrap the forward of every module whose subtree holds a replica so that, while it runs, the replicas of its
+    subtree are their local tensors (a module may read a child's weight directly, as a Mamba mixer reads its
+    convolution's); each wrapper puts back what it swapped.
+
+    Only replicas that are whole on the wrapper's call are swapped: FSDP2's sharded parameters of an inner unit are
+    not (they are swapped inside that unit, after FSDP2 has gathered them). The wrappers are installed before
+    activation checkpointing, so a recomputation runs them too.
+    """
+    for module in model.modules():
+        covered = [(sub, name) for sub in module.modules() if id(sub) in slots for name in slots[id(sub)]]
+        if covered:
+            _swap_replicas_around_forward(module, covered)
+
+
+def _swap_replicas_around_forward(module: nn.Module, covered: list[tuple[nn.Module, str]]) -> None:
+    # Inside the checkpoint of a module checkpointed already (a sidecar's early checkpointing), so it runs in the
+    # recomputation too.
+    attribute = "_automodel_checkpointed_forward" if hasattr(module, "_automodel_checkpointed_forward") else "forward"
+    forward = getattr(module, attribute)
+
+    def forward_on_local_replicas(*args: Any, **kwargs: Any) -> Any:
+        swapped = [(sub, name, sub._parameters[name]) for sub, name in covered if is_replicated(sub._parameters[name])]
+        for sub, name, param in swapped:
+            sub._parameters[name] = param.to_local()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for sub, name, param in swapped:
+                sub._parameters[name] = param
+
+    setattr(module, attribute, forward_on_local_replicas)
 
 
 def shards_output(style: TensorParallelLayer) -> bool:
@@ -218,16 +292,31 @@ class ReplicatedWithGradAllReduceOnce(ReplicatedWithGradAllReduce):
 
     @classmethod
     def hook_parameters(cls, module: nn.Module, mesh: DeviceMesh) -> None:
-        """Sum the gradients of ``module``'s own trainable parameters over ``mesh``, each once."""
-        for param in module.parameters(recurse=False):
-            if param.requires_grad and cls._hooked.get(id(param)) is not param:
+        """Sum the gradients of ``module``'s own trainable parameters over ``mesh``, each once: on the parameter when
+        it is a leaf, on the local tensor a replica is computed with otherwise (``replicate_on_mesh``)."""
+        for param in module._parameters.values():
+            if param is None or not param.requires_grad or cls._hooked.get(id(param)) is param:
+                continue
+            if param.is_leaf:
                 param.register_post_accumulate_grad_hook(_all_reduce_grad(mesh))
-                cls._hooked[id(param)] = param
+            else:
+                param.register_hook(_summed_over(mesh))
+            cls._hooked[id(param)] = param
+
+
+def _summed_over(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=mesh.get_group())
+        return grad
+
+    return hook
 
 
 def _all_reduce_grad(mesh: DeviceMesh) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
-        dist.all_reduce(param.grad, group=mesh.get_group())
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad  # a replica: its local tensor
+        dist.all_reduce(grad, group=mesh.get_group())
 
     return hook
 

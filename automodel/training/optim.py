@@ -7,7 +7,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from automodel.distributed.grad_clipping import clip_grad_norm_, total_grad_norm
 
 from .config import TrainSection
 
@@ -43,35 +44,13 @@ def make_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection) -> tor
 
 
 def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """The global 2-norm of all gradients, as one plain tensor on every rank.
-
-    Sharded gradients live on different meshes (FSDP, TP, EP), where a single stacked norm would mix meshes. Each
-    group of gradients with the same mesh and placements is reduced with DTensor's own norm (which sums over the
-    shards), and the groups' squared norms are added.
-    """
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for param in parameters:
-        if param.grad is None:
-            continue
-        grad = param.grad
-        key = (id(grad.device_mesh), grad.placements) if isinstance(grad, DTensor) else ("local", grad.device)
-        groups.setdefault(key, []).append(grad)
-    total = torch.zeros((), dtype=torch.float32)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total = total + norm.float().cpu() ** 2
-    return total.sqrt()
+    """The global 2-norm of all gradients, as one plain tensor on every rank (``automodel.clip_grad_norm_``'s)."""
+    return total_grad_norm(parameters)
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Scale the gradients so their global norm is at most ``max_norm`` (``None``: only measure it); returns the norm
     before clipping."""
-    parameters = [param for param in parameters if param.grad is not None]
-    total = grad_norm(parameters)
-    if max_norm is not None:
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for param in parameters:
-            param.grad.mul_(coefficient.to(param.grad.device))
-    return total
+    if max_norm is None:
+        return total_grad_norm(parameters)
+    return clip_grad_norm_(parameters, max_norm)

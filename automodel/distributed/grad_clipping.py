@@ -1,0 +1,63 @@
+"""Gradient norm and clipping over a model's gradients on any layout: ``torch.nn.utils.clip_grad_norm_``'s contract,
+for parameters that live on several meshes.
+
+Under TP, FSDP2 and HSDP every parameter of a model is a DTensor on one mesh, and torch's own function works. Under
+EP (experts on the ``ep_shard`` / ``ep`` meshes, dense weights on ``dp_shard_cp``) the gradients live on different
+meshes, where one foreach norm cannot mix them. Here each group of gradients with the same mesh and placements is
+reduced with DTensor's own norm (which reduces over the shards), and the groups' norms are combined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .runtime import full_tensor
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+
+def total_grad_norm(parameters: Iterable[nn.Parameter] | torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+    """The global ``norm_type``-norm of all gradients (those that exist), as one plain float32 tensor, the same on
+    every rank. Collective when gradients are sharded: every rank must call it."""
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for param in parameters:
+        if param.grad is None:
+            continue
+        grad = param.grad
+        key = (id(grad.device_mesh), grad.placements) if isinstance(grad, DTensor) else ("local", grad.device)
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=False)
+        norms.append(full_tensor(norm).float().cpu())
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.nn.utils.get_total_norm(norms, norm_type=norm_type, foreach=False)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a parallelized model on any layout (TP, FSDP2, HSDP, EP, CP, DDP):
+    scale the gradients so their global norm is at most ``max_norm``; return the norm before clipping. Collective:
+    call it on every rank."""
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(parameters, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they cannot be "
+            "clipped. Pass error_if_nonfinite=False to clip anyway."
+        )
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for param in parameters:
+            param.grad.mul_(coefficient.to(param.grad.device))
+    return total
