@@ -3,12 +3,16 @@ before any process starts (the `automodel` command exits 2 without launching tor
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 
 import pytest
+import yaml
 
-from automodel.training.config import ConfigError, load_config
+from automodel.training.config import ConfigError, check_world_size, load_config
+from tests.conftest import REPO
 
 BASE = """
 recipe: sft
@@ -34,7 +38,8 @@ def test_yaml_and_overrides_give_typed_sections(config_file):
     )
     assert config.train.lr == 3e-4 and config.train.max_steps == 5 and config.layout.tp_size == 2
     assert config.data.packing is True and config.train.betas == (0.9, 0.99)
-    assert config.checkpoint.every_steps == 10 and config.export.dir == "out" and config.model.path == "some/model"
+    assert config.checkpoint.every_steps == 10 and config.model.path == "some/model"  # a hub id stays one
+    assert config.export.dir == str(config_file.parent / "out")  # relative to the YAML file's folder
     assert load_config(config_file, ["train.lr=1"]).train.lr == 1.0  # ints are accepted where floats are wanted
 
 
@@ -90,3 +95,74 @@ def test_lora_section(config_file):
         load_config(config_file, ["lora.rank=8", "layout.tp_size=2"])
     with pytest.raises(ConfigError, match="not pretraining"):
         load_config(config_file, ["lora.rank=8", "recipe=pretrain"])
+
+
+def test_relative_paths_in_the_yaml_are_relative_to_its_folder(tmp_path, monkeypatch):
+    (tmp_path / "models" / "local").mkdir(parents=True)
+    (tmp_path / "recipe.yaml").write_text(BASE.replace("some/model", "models/local"))
+    monkeypatch.chdir(tmp_path.parent)  # anywhere else
+    config = load_config(tmp_path / "recipe.yaml", ["export.dir=elsewhere"])
+    assert config.data.path == str(tmp_path / "data.jsonl") and config.checkpoint.dir == str(tmp_path / "ckpt")
+    assert config.model.path == str(tmp_path / "models" / "local")  # exists there: a local directory
+    assert config.export.dir == "elsewhere"  # a command-line path is relative to the current directory
+    (tmp_path / "recipe.yaml").write_text(BASE.replace("some/model", "./not-yet"))
+    assert load_config(tmp_path / "recipe.yaml").model.path == str(tmp_path / "not-yet")  # "./": a path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "processes", "message"),
+    [
+        (["layout.tp_size=3"], 2, "layout does not fit 2 processes: dp_replicate_size * cp_size * tp_size = 1 * 1 * 3"),
+        (["layout.strategy=ddp", "layout.tp_size=2"], 2, "layout does not fit 2 processes: The DDP strategy"),
+        (
+            [],
+            8,
+            "train.global_batch_size=8 must be a multiple of train.micro_batch_size * the data-parallel size = 2 * 8",
+        ),
+    ],
+    ids=["tp_does_not_divide", "ddp_with_tp", "batch_too_small"],
+)
+def test_the_layout_is_checked_against_the_process_count(config_file, overrides, processes, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_world_size(load_config(config_file, overrides), processes)
+    check_world_size(load_config(config_file), 2)
+
+
+def _automodel(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "automodel.training.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_an_impossible_layout_exits_2_before_launching(config_file):
+    result = _automodel("sft", "--config", str(config_file), "--nproc-per-node", "2", "layout.tp_size=3")
+    assert result.returncode == 2, result.stderr
+    assert "config error: layout does not fit 2 processes" in result.stderr and "tp_size = 1 * 1 * 3" in result.stderr
+    assert "torch.distributed.run" not in result.stderr
+
+
+def test_help_lists_the_keys_and_print_config_the_resolved_config(config_file):
+    help_text = _automodel("sft", "--help").stdout
+    assert "config keys (section.key: default):" in help_text
+    assert "  train.lr: 0.0001" in help_text and "  layout.tp_size: 1" in help_text
+    printed = _automodel("sft", "--config", str(config_file), "--print-config", "train.lr=3e-4")
+    assert printed.returncode == 0, printed.stderr
+    resolved = yaml.safe_load(printed.stdout)
+    assert resolved["train"]["lr"] == 3e-4 and resolved["data"]["path"] == str(config_file.parent / "data.jsonl")
+
+
+@pytest.mark.distributed
+def test_the_tiny_recipe_runs_from_any_directory(tmp_path):
+    """recipes/sft_tiny.yaml as shipped (copied with its data so its outputs land here), run from another folder: the
+    tiny model is written on first use, trained on 2 ranks and exported."""
+    recipes = tmp_path / "project" / "recipes"
+    (recipes / "data").mkdir(parents=True)
+    shutil.copy(REPO / "recipes" / "sft_tiny.yaml", recipes)
+    shutil.copy(REPO / "recipes" / "data" / "smol_chat.jsonl", recipes / "data")
+    (tmp_path / "elsewhere").mkdir()
+    result = _automodel(
+        "sft", "--config", str(recipes / "sft_tiny.yaml"), "--nproc-per-node", "2", cwd=tmp_path / "elsewhere"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "automodel sft: 4 steps" in result.stdout, result.stdout
+    assert (tmp_path / "project" / "out" / "tiny-llama" / "tokenizer.json").is_file()
+    assert (tmp_path / "project" / "out" / "sft-tiny" / "export" / "model.safetensors").is_file()

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import DDPConfig, MegatronFSDPConfig, MoEConfig, StrategyConfig, strategy_from_name
 
-__all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "ActivationCheckpointing", "MeshContext"]
+__all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "ActivationCheckpointing", "MeshContext", "check_layout"]
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": DENSE_AXES[:3]}
@@ -112,6 +112,25 @@ def _validate_layout(
             f"{dp_shard * cp_size * tp_size} (the ranks of one data-parallel replica)."
         )
     return dp_shard
+
+
+def check_layout(
+    strategy: str | StrategyConfig,
+    world_size: int,
+    *,
+    dp_replicate_size: int = 1,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    ep_size: int = 1,
+    sequence_parallel: bool = False,
+) -> dict[str, int]:
+    """What ``MeshContext.build`` would check, without a process group (e.g. before launching ``world_size``
+    processes): raises the same errors; returns the inferred ``dp_shard`` and ``dp`` (ranks that see different
+    batches) sizes."""
+    dp_shard = _validate_layout(
+        strategy_from_name(strategy), world_size, dp_replicate_size, tp_size, cp_size, ep_size, sequence_parallel
+    )
+    return {"dp_shard": dp_shard, "dp": dp_replicate_size * dp_shard}
 
 
 # Every mesh axis is a process group with its own transport threads; building the same layout again (a new

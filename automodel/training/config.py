@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 __all__ = [
+    "PATH_KEYS",
     "CheckpointSection",
     "ConfigError",
     "DataSection",
@@ -27,6 +28,8 @@ __all__ = [
     "ModelSection",
     "RecipeConfig",
     "TrainSection",
+    "check_world_size",
+    "describe_keys",
     "load_config",
     "parse_overrides",
 ]
@@ -40,13 +43,16 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSection:
-    """``path``: a hub id or local directory (checkpoint for SFT; config + tokenizer source for pretraining)."""
+    """``path``: a hub id or local directory (checkpoint for SFT; config + tokenizer source for pretraining).
+    ``tiny_if_missing``: when ``path`` does not exist, write a tiny random Llama there first, with a word-level
+    tokenizer over ``data.path`` (seconds-long smoke tests, ``recipes/sft_tiny.yaml``)."""
 
     path: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
     revision: str | None = None
     trust_remote_code: bool = False
     attn_implementation: str | None = None
+    tiny_if_missing: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,8 +147,19 @@ class RecipeConfig:
         return dataclasses.asdict(self)
 
 
+# Keys holding local paths, resolved against the YAML file's folder when relative. ``model.path`` may also be a hub
+# id: it is resolved only when it starts with "." or names something that exists there.
+PATH_KEYS = ("data.path", "checkpoint.dir", "export.dir", "train.tensorboard_dir")
+MODEL_PATH_KEY = "model.path"
+
+
 def load_config(path: str | Path | None, overrides: list[str] = (), *, recipe: str | None = None) -> RecipeConfig:
-    """Read a YAML config, apply ``key=value`` overrides (dotted keys, values parsed as YAML) and validate it."""
+    """Read a YAML config, apply ``key=value`` overrides (dotted keys, values parsed as YAML) and validate it.
+
+    Relative paths written in the YAML file (``PATH_KEYS``, and ``model.path`` when it is not a hub id) are relative
+    to the file's folder, so a config runs from any directory; paths given as overrides are relative to the current
+    directory, as on any command line.
+    """
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -151,6 +168,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, recipe: s
         raw = yaml.safe_load(path.read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, not {type(raw).__name__}.")
+        _resolve_paths(raw, path.resolve().parent)
     for key, value in parse_overrides(overrides).items():
         _set_dotted(raw, key, value)
     if recipe is not None:
@@ -160,6 +178,57 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, recipe: s
     config = _build(RecipeConfig, raw, "")
     _validate(config)
     return config
+
+
+def _resolve_paths(raw: dict[str, Any], folder: Path) -> None:
+    for key in (*PATH_KEYS, MODEL_PATH_KEY):
+        section, _, name = key.partition(".")
+        node = raw.get(section)
+        value = node.get(name) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        resolved = folder / value
+        if key == MODEL_PATH_KEY and not (value.startswith(".") or resolved.exists()):
+            continue  # a hub id
+        node[name] = str(resolved.resolve())
+
+
+def check_world_size(config: RecipeConfig, world_size: int) -> None:
+    """The layout and batch checks that need the number of processes (before launching them): the errors name the
+    ``layout.*`` / ``train.*`` keys and the process count."""
+    from automodel.distributed.mesh import check_layout
+
+    layout, train = config.layout, config.train
+    try:
+        sizes = check_layout(
+            layout.strategy,
+            world_size,
+            dp_replicate_size=layout.dp_replicate_size,
+            tp_size=layout.tp_size,
+            cp_size=layout.cp_size,
+            ep_size=layout.ep_size,
+            sequence_parallel=layout.sequence_parallel,
+        )
+    except (ValueError, RuntimeError) as error:
+        raise ConfigError(f"layout does not fit {world_size} processes: {error}") from error
+    per_step = train.micro_batch_size * sizes["dp"]
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} must be a multiple of train.micro_batch_size * the "
+            f"data-parallel size = {train.micro_batch_size} * {sizes['dp']} on {world_size} processes."
+        )
+
+
+def describe_keys() -> str:
+    """Every config section and key with its default, one per line (``automodel sft --help``)."""
+    lines = ["config keys (section.key: default):", "  recipe: sft | pretrain"]
+    for name, hint in typing.get_type_hints(RecipeConfig).items():
+        if not dataclasses.is_dataclass(hint):
+            continue
+        defaults = hint()
+        for key in dataclasses.fields(hint):
+            lines.append(f"  {name}.{key.name}: {getattr(defaults, key.name)!r}")
+    return "\n".join(lines)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

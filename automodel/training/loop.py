@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_c
 from .config import RecipeConfig
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .optim import clip_grad_norm, make_optimizer, make_scheduler
+from .tiny_model import write_tiny_model
 
 __all__ = ["TrainResult", "build_mesh_context", "run", "train_step"]
 
@@ -158,10 +160,23 @@ def _model_inputs(batch: dict[str, torch.Tensor], context: MeshContext, device: 
     }
 
 
+def prepare_model(config: RecipeConfig) -> None:
+    """With ``model.tiny_if_missing``, write the tiny smoke-test model to ``model.path`` when nothing is there (on rank 0
+    when a process group runs, the others waiting for it)."""
+    path = Path(config.model.path)
+    if not config.model.tiny_if_missing or (path / "config.json").is_file():
+        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_tiny_model(path, config.data.path, seed=config.train.seed)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def run(config: RecipeConfig) -> TrainResult:
     """Train as ``config`` says; resume from the newest complete checkpoint in ``checkpoint.dir`` if there is one."""
     train = config.train
     context = build_mesh_context(config)
+    prepare_model(config)
     torch.manual_seed(train.seed)
     tokenizer = AutoTokenizer.from_pretrained(config.model.path, revision=config.model.revision)
     model = _build_model(config, context)

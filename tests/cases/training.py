@@ -9,35 +9,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from automodel.training.config import load_config
 from automodel.training.loop import run
+from automodel.training.tiny_model import word_level_tokenizer
 from tests.tiny_models import build_model, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_DATA = REPO / "recipes" / "data" / "smol_chat.jsonl"
-# ChatML without generation markers, like SmolLM2's: the loss mask cannot come from the template.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def tiny_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over ``texts`` with ChatML special tokens and a chat template."""
-    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials))
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>", bos_token=None
-    )
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
-
-
 def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama") -> Path:
     """A tiny random model whose vocabulary covers the shipped chat set, with its tokenizer, saved for from_pretrained."""
     directory = Path(directory)
@@ -48,7 +27,7 @@ def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama"
             record.get("prompt", ""),
             record.get("completion", ""),
         ]
-    tokenizer = tiny_tokenizer(texts)
+    tokenizer = word_level_tokenizer(texts)
     config = tiny_config(
         architecture,
         vocab_size=len(tokenizer),
