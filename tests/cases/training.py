@@ -17,6 +17,8 @@ from tests.tiny_models import build_model, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT_DATA = REPO / "recipes" / "data" / "smol_chat.jsonl"
+
+
 def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama") -> Path:
     """A tiny random model whose vocabulary covers the shipped chat set, with its tokenizer, saved for from_pretrained."""
     directory = Path(directory)
