@@ -24,6 +24,8 @@ LAYOUTS = {
     "fsdp2_x_tp2": (4, "llama_tied", {"strategy": "fsdp2", "tp_size": 2}),
     "ep2": (4, "mixtral", {"strategy": "fsdp2", "ep_size": 2}),
     "ddp": (2, "llama", {"strategy": "ddp"}),
+    "hsdp": (4, "llama", {"strategy": "fsdp2", "dp_replicate_size": 2}),
+    "cp2": (2, "llama", {"strategy": "fsdp2", "cp_size": 2}),
 }
 
 
