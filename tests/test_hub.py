@@ -184,6 +184,26 @@ def test_hub_id_loads_from_the_cache_like_transformers(hub):
     assert model.generation_config.to_dict() == saved.generation_config.to_dict()
 
 
+def test_hub_options_subfolder_and_force_download_offline(hub, tmp_path):
+    """A snapshot with the checkpoint in a subfolder; force_download has nothing to fetch again offline."""
+    add_snapshot(
+        tmp_path,
+        "tiny-org/nested",
+        MAIN_COMMIT,
+        {f"weights/{k}": v for k, v in _files(hub["main"]).items()},
+        refs=("main",),
+    )
+    kwargs = {"cache_dir": str(tmp_path), "local_files_only": True, "force_download": True}
+    model = NeMoAutoModelForCausalLM.from_pretrained("tiny-org/nested", subfolder="weights", **kwargs)
+    saved = AutoModelForCausalLM.from_pretrained(hub["main"])
+    with torch.no_grad():
+        assert (model(token_batch()).logits - saved(token_batch()).logits).abs().max() <= 1e-4
+    directory = resolve_checkpoint_dir(
+        "tiny-org/nested", subfolder="weights", cache_dir=tmp_path, local_files_only=True
+    )
+    assert directory == tmp_path / "models--tiny-org--nested" / "snapshots" / MAIN_COMMIT / "weights"
+
+
 def test_tokenizer_files_come_with_the_weights(hub):
     directory = resolve_checkpoint_dir(REPO_ID, cache_dir=hub["cache"], local_files_only=True)
     assert directory == hub["cache"] / "models--tiny-org--tiny-llama" / "snapshots" / MAIN_COMMIT
