@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -27,9 +28,10 @@ from automodel.distributed.runtime import log_rank_zero
 from automodel.distributed.tensor_parallel import set_user_tp_plan
 from automodel.keyword_arguments import check_loading_options, dtype_argument, unknown_keywords_error
 from automodel.loading import CheckpointPlan, read_json, resolve_checkpoint_dir
-from automodel.loading.hub import HubOptions
+from automodel.loading.hub import HubOptions, resolve_adapter_dir
 from automodel.loading.pipeline import build_on_every_rank, load_parallelized, transformers_model
 from automodel.lora import add_lora
+from automodel.lora_checkpoint import LoraAdapter, read_lora_adapter
 from model_sidecars import sidecar_class
 
 __all__ = ["NeMoAutoModel", "NeMoAutoModelForCausalLM"]
@@ -58,6 +60,7 @@ class _NeMoAutoBase:
         strict: bool = True,
         tp_plan: dict[str, str] | str | None = None,
         peft_config: Any = None,
+        lora_adapter: str | os.PathLike | None = None,
         torch_dtype: torch.dtype | str | None = None,
         force_download: bool = False,
         use_safetensors: bool | None = None,
@@ -74,8 +77,10 @@ class _NeMoAutoBase:
         ``tp_plan`` replaces the tensor-parallel plan (transformers style names, full module names with ``*`` for
         layer numbers; ``"auto"``: the model's own), e.g. to shard only the MLPs of a model whose heads do not divide
         ``tp_size``; it takes precedence over a sidecar's plan, and a rule that matches nothing is an error.
-        ``peft_config`` (a ``peft.LoraConfig``) adds LoRA adapters before parallelization (FSDP2 path; see
-        ``automodel.lora``): only they are trainable, initialised as peft does.
+        ``peft_config`` (a ``peft.LoraConfig``) adds LoRA adapters before parallelization, on every layout (see
+        ``automodel.lora``): only they are trainable, initialised as peft does. ``lora_adapter`` (a folder or hub id
+        ``PeftModel.save_pretrained`` / ``automodel.lora_checkpoint.save_lora_adapter`` wrote) adds that adapter
+        instead, each rank reading its slices of the factors.
 
         ``dtype`` (``"auto"`` by default: the config's), ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
         ``trust_remote_code``, ``attn_implementation``, ``force_download``, ``use_safetensors``, ``subfolder``,
@@ -109,20 +114,29 @@ class _NeMoAutoBase:
         model = build_on_every_rank(build, f"Building the model of {name_or_path}")
         set_user_tp_plan(model, tp_plan)
 
+        adapter = _read_adapter(lora_adapter, peft_config, hub)
+
         def prepare(model: nn.Module, plan: CheckpointPlan | None) -> None:
-            if peft_config is not None:
+            if adapter is not None:
+                sources = add_lora(model, adapter.config, mesh_context, plan.keys.sources, adapter=adapter)
+                plan.keys.sources = sources
+            elif peft_config is not None:
                 plan.keys.sources = add_lora(model, peft_config, mesh_context, plan.keys.sources)
 
-        loaded = load_parallelized(
-            model,
-            mesh_context,
-            checkpoint=directory,
-            strict=strict,
-            prepare=prepare,
-            progress=True,
-            use_safetensors=use_safetensors,
-            variant=variant,
-        )
+        try:
+            loaded = load_parallelized(
+                model,
+                mesh_context,
+                checkpoint=directory,
+                strict=strict,
+                prepare=prepare,
+                progress=True,
+                use_safetensors=use_safetensors,
+                variant=variant,
+            )
+        finally:
+            if adapter is not None:
+                adapter.files.close()
         inner = transformers_model(loaded.model)
         log_rank_zero(logger, "%s from %s: %s", type(inner).__name__, directory, loaded.report.summary())
         inner.name_or_path = str(name_or_path)
@@ -262,6 +276,16 @@ def _load_config(
     if unused:
         raise unknown_keywords_error(unused, config)
     return config
+
+
+def _read_adapter(lora_adapter: Any, peft_config: Any, hub: HubOptions) -> LoraAdapter | None:
+    """The peft adapter ``lora_adapter`` names, opened on every rank (its config replaces ``peft_config``)."""
+    if lora_adapter is None:
+        return None
+    if peft_config is not None:
+        raise ValueError("Pass peft_config= (new adapters) or lora_adapter= (a saved one), not both.")
+    directory = resolve_adapter_dir(lora_adapter, dataclasses.replace(hub, subfolder=""))
+    return build_on_every_rank(lambda: read_lora_adapter(directory), f"Reading the LoRA adapter {lora_adapter}")
 
 
 def _generation_config(directory: Path, model: nn.Module) -> GenerationConfig:

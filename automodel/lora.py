@@ -2,7 +2,8 @@
 
 ``NeMoAutoModelForCausalLM.from_pretrained(..., peft_config=LoraConfig(...))`` injects the adapters with peft's own
 ``inject_adapter_in_model`` while the model is still on the meta device, freezes everything else, and lets the
-parallelizer shard base weights and adapters alike (FSDP2 puts frozen and trainable parameters in the same units).
+parallelizer shard base weights and adapters alike on every layout: FSDP2 puts frozen and trainable parameters in the
+same units, TP places each adapter after its base layer (``automodel.distributed.adapters``), DDP replicates them.
 The loader reads the base weights from the checkpoint under their original names and fills the adapters with peft's
 default init (Kaiming-uniform ``lora_A``, zero ``lora_B``) computed once, identically on every rank.
 ``merge_lora`` folds trained adapters back into the base weights for an export plain transformers loads.
@@ -10,6 +11,7 @@ default init (Kaiming-uniform ``lora_A``, zero ``lora_B``) computed once, identi
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 from typing import Any
@@ -17,11 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel.distributed import FSDP2Config, MeshContext
+from automodel.distributed import MegatronFSDPConfig, MeshContext
 from automodel.distributed.runtime import full_tensor
+from automodel.loading.checkpoint_files import CheckpointError
 from automodel.loading.initialization import local_view
 from automodel.loading.placements import local_indices
-from automodel.loading.sources import InMemoryTensor, Source, select
+from automodel.loading.sources import InMemoryTensor, Source, StoredTensor, select
+from automodel.lora_checkpoint import ADAPTER_WEIGHTS, LoraAdapter, peft_key
 
 __all__ = ["add_lora", "merge_lora", "require_peft"]
 
@@ -45,27 +49,50 @@ def _check_layout(peft_config: Any, mesh_context: MeshContext | None) -> None:
             f"peft_config.init_lora_weights={peft_config.init_lora_weights!r}: the sharded loader initialises "
             "adapters with peft's default (True: Kaiming-uniform lora_A, zero lora_B) only."
         )
+    if peft_config.use_dora:
+        raise ValueError("peft_config.use_dora=True (DoRA) is not supported: use plain LoRA adapters.")
+    _refuse_parameter_targets(peft_config.target_parameters, "peft_config.target_parameters")
     if mesh_context is None:
         return
-    if not isinstance(mesh_context.strategy, FSDP2Config):
-        raise ValueError(f"LoRA runs on the FSDP2 path: use strategy='fsdp2', not {mesh_context.strategy.name!r}.")
-    if mesh_context.tp_size > 1 or mesh_context.ep_size > 1:
+    if isinstance(mesh_context.strategy, MegatronFSDPConfig):
+        raise ValueError("LoRA runs with strategy='fsdp2' or 'ddp', not 'megatron_fsdp'.")
+
+
+def _refuse_parameter_targets(targets: Any, where: str, modules: Any = None) -> None:
+    if targets:
+        example = f" (here e.g. target_modules={sorted(modules)!r})" if modules else ""
         raise ValueError(
-            f"LoRA with tp_size={mesh_context.tp_size}, ep_size={mesh_context.ep_size}: the adapters wrap the projections "
-            "that TP / EP plans name, so they cannot be combined yet. Use FSDP2 (with HSDP / CP) and tp_size = "
-            "ep_size = 1."
+            f"{where}={sorted(targets)!r}: LoRA on bare parameters (peft's ParamWrapper, e.g. routed experts' stacked "
+            "weights or a router's weight) is not supported; adapters on routed experts would have to be split with "
+            "them over ep and merged per expert. List the modules to adapt in target_modules (attention, dense MLPs, "
+            f"shared experts){example}: they work on every layout, EP and EP x TP included."
         )
 
 
 def add_lora(
-    model: nn.Module, peft_config: Any, mesh_context: MeshContext | None, sources: dict[str, Source], *, seed: int = 0
+    model: nn.Module,
+    peft_config: Any,
+    mesh_context: MeshContext | None,
+    sources: dict[str, Source],
+    *,
+    adapter: LoraAdapter | None = None,
+    seed: int = 0,
 ) -> dict[str, Source]:
     """Inject LoRA adapters into ``model`` (on the meta device), freeze everything else, and return the checkpoint
-    ``sources`` renamed for the wrapped layers plus initial values for every adapter parameter."""
+    ``sources`` renamed for the wrapped layers plus a source for every adapter parameter: the factors of ``adapter``
+    (an existing peft adapter, whose config is then ``peft_config``), or peft's initial values."""
     _check_layout(peft_config, mesh_context)
     peft = require_peft()
+    # A copy: peft records things on the config it is given (the base model's name), which is the caller's.
+    injected = copy.deepcopy(peft_config)
     with torch.device("meta"):
-        peft.inject_adapter_in_model(peft_config, model)
+        peft.inject_adapter_in_model(injected, model)
+    # peft expands target_modules="all-linear" on a MoE model into parameter targets (its fused experts, its router).
+    _refuse_parameter_targets(
+        injected.target_parameters,
+        f"target_modules={peft_config.target_modules!r} made peft target parameters",
+        injected.target_modules,
+    )
     renamed = dict(sources)
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
@@ -74,6 +101,8 @@ def add_lora(
             original = name.replace(_BASE_LAYER, ".")
             if original in renamed:
                 renamed[name] = renamed.pop(original)
+        elif adapter is not None and ".lora_" in name:
+            renamed[name] = _stored_factor(adapter, name, tuple(param.shape))
         elif ".lora_A." in name:
             full = torch.empty(param.shape, dtype=torch.float32)
             nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)  # peft's default
@@ -81,6 +110,19 @@ def add_lora(
         elif ".lora_B." in name:
             renamed[name] = InMemoryTensor(torch.zeros(param.shape, dtype=param.dtype))
     return renamed
+
+
+def _stored_factor(adapter: LoraAdapter, name: str, shape: tuple[int, ...]) -> Source:
+    key = peft_key(name)
+    if key not in adapter.files.key_to_file:
+        raise CheckpointError(f"{adapter.directory / ADAPTER_WEIGHTS} has no {key} for the model's {name}.")
+    stored = adapter.files.shape(key)
+    if stored != shape:
+        raise CheckpointError(
+            f"{adapter.directory / ADAPTER_WEIGHTS}: {key} has shape {stored}, the model's {name} {shape} (another "
+            "base model or rank?)."
+        )
+    return StoredTensor(adapter.files, key, shape)
 
 
 @torch.no_grad()

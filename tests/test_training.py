@@ -90,14 +90,17 @@ def test_pretraining_from_config_on_packed_text_falls_and_resumes(ranks2, chat_c
 
 
 def test_sft_with_lora_trains_only_the_adapters_and_exports_them_merged(ranks2, chat_checkpoint, tmp_path):
+    """export.lora=both: the merged checkpoint in export.dir, the adapter alone in export.dir/adapter."""
     config = _config(tmp_path, chat_checkpoint)
     export = tmp_path / "export"
     result = ranks2.run(
         train_lora,
         config,
         ["lora.rank=8", "lora.alpha=16", "lora.target_modules=[q_proj, v_proj, up_proj, down_proj]", "train.lr=3e-2"]
-        + [f"export.dir={export}"],
+        + [f"export.dir={export}", "export.lora=both"],
     )[0]
+    assert result["adapter_logits"] <= 1e-5, result["adapter_logits"]
+    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".export")], "no staging left"
     losses = result["losses"]
     # Rank-8 adapters on a random tiny model fit less than full training (which falls below 0.75x).
     assert losses[-1] < losses[0] - 0.3 and sum(losses[-5:]) < sum(losses[:5]) - 1.5, losses
@@ -107,6 +110,22 @@ def test_sft_with_lora_trains_only_the_adapters_and_exports_them_merged(ranks2, 
         name.endswith(("q_proj.weight", "v_proj.weight", "up_proj.weight", "down_proj.weight"))
         for name in result["changed_weights"]
     ), result["changed_weights"]
+
+
+def test_sft_with_lora_under_tp_resumes_bitwise_and_exports_an_adapter_peft_loads(ranks2, chat_checkpoint, tmp_path):
+    """lora.rank=8 with layout.tp_size=2 on 2 ranks: the loss falls, a resumed run continues bitwise, and the
+    adapter-only export loads with peft onto plain transformers with the trained model's logits."""
+    config = _config(tmp_path, chat_checkpoint)
+    lora = ["lora.rank=8", "lora.alpha=16", "lora.target_modules=[q_proj, v_proj, up_proj, down_proj]", "train.lr=3e-2"]
+    layout = ["layout.tp_size=2", "export.lora=adapter", f"export.dir={tmp_path / 'adapter'}"]
+    full = ranks2.run(train_lora, config, lora + layout)[0]
+    losses = full["losses"]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert full["adapter_logits"] <= 1e-5, full["adapter_logits"]
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= set(full["adapter_files"])
+    checkpoints = [f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    ranks2.run(train, config, lora + layout + checkpoints + ["train.stop_after_steps=10"])
+    assert ranks2.run(train, config, lora + layout + checkpoints)[0]["losses"] == losses
 
 
 @pytest.mark.parametrize(

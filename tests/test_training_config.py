@@ -91,8 +91,12 @@ def test_lora_section(config_file):
     )
     with pytest.raises(ConfigError, match="set a positive rank"):
         load_config(config_file, ["lora.alpha=32"])
-    with pytest.raises(ConfigError, match="FSDP2 path without TP or EP"):
-        load_config(config_file, ["lora.rank=8", "layout.tp_size=2"])
+    assert load_config(config_file, ["lora.rank=8", "layout.tp_size=2", "layout.sequence_parallel=true"]).lora.rank == 8
+    assert load_config(config_file, ["lora.rank=8", "export.lora=both"]).export.lora == "both"
+    with pytest.raises(ConfigError, match="megatron_fsdp"):
+        load_config(config_file, ["lora.rank=8", "layout.strategy=megatron_fsdp"])
+    with pytest.raises(ConfigError, match="needs LoRA adapters"):
+        load_config(config_file, ["export.lora=adapter"])
     with pytest.raises(ConfigError, match="not pretraining"):
         load_config(config_file, ["lora.rank=8", "recipe=pretrain"])
 

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map_only
 
+from .adapters import LOCAL_INPUT_STYLE, adapter_placements
 from .hf_plans import expand_plan, matchable_plan_keys, model_tp_plan
 from .model_structure import decoder_layers, retie_parameters, tied_parameter_names
 from .partial_gradients import reduce_partial_gradients
@@ -172,7 +173,7 @@ def apply_tensor_parallel(
     Tied parameters stay one ``Parameter``.
     """
     tied = tied_parameter_names(model)
-    expanded = expand_plan(model, plan)
+    expanded = expand_plan(model, adapter_placements(model, expand_plan(model, plan), sequence_parallel))
     styles = {name: style_named(style) for name, style in expanded.items()}
     if sequence_parallel:
         styles = _sequence_parallel_styles(model, expanded, styles, tp_mesh)
@@ -218,6 +219,8 @@ _SEQUENCE_PARALLEL_FORMS: dict[str, Callable[[], TensorParallelLayer] | None] = 
     # Per-head norms after a colwise projection see the whole sequence: unchanged.
     "replicated_with_grad_allreduce": None,
     "replicate": None,
+    # A LoRA lora_A beside a colwise base layer: it takes the gathered input, as the base layer does.
+    LOCAL_INPUT_STYLE: None,
 }
 # The style of a routed-experts module under TP: its block runs on the whole sequence (see below).
 _ROUTED_EXPERTS_STYLE = "moe_tp_experts"

@@ -69,11 +69,11 @@ _FUSED_GATE_UP = "gate_up_proj"
 
 def style_named(name: str) -> TensorParallelLayer:
     """The transformers style object registered under ``name`` (``replicated_with_grad_allreduce``: our variant that
-    reduces a shared parameter's gradient once)."""
+    reduces a shared parameter's gradient once), or one of ours (:data:`OUR_STYLES`)."""
+    if name in OUR_STYLES:
+        return OUR_STYLES[name]
     if name not in ALL_PARALLEL_STYLES:
         raise ValueError(f"Unknown tensor-parallel style {name!r}; transformers knows {sorted(ALL_PARALLEL_STYLES)}.")
-    if name == "replicated_with_grad_allreduce":
-        return REPLICATED_WITH_GRAD_ALLREDUCE_ONCE
     return ALL_PARALLEL_STYLES[name]
 
 
@@ -339,3 +339,21 @@ class SequenceParallelNorm(SequenceParallel):
 
     def __init__(self) -> None:
         super().__init__(sequence_dim=1, use_local_output=True)
+
+
+class ReplicatedLocalInput(TensorParallelLayer):
+    """A replicated layer that computes on the local tensor of a replicated DTensor input (a LoRA ``lora_A`` beside a
+    colwise base layer, whose input sequence parallelism gathers as a DTensor); its input's gradient is complete on
+    every rank. A plain input passes through."""
+
+    def transform_inputs_pre_forward(self, module: nn.Module, args: Any, kwargs: Any, mesh: DeviceMesh) -> Any:
+        if args and isinstance(args[0], DTensor):
+            args = (args[0].to_local(grad_placements=[Replicate()]), *args[1:])
+        return args, kwargs
+
+
+#: Styles of ours, by the names plans use (``adapters.LOCAL_INPUT_STYLE``).
+OUR_STYLES: dict[str, TensorParallelLayer] = {
+    "replicated_with_grad_allreduce": REPLICATED_WITH_GRAD_ALLREDUCE_ONCE,
+    "replicated_local_input": ReplicatedLocalInput(),
+}

@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointFiles",
     "MissingCheckpointFileError",
     "open_checkpoint",
+    "open_safetensors_file",
     "read_json",
     "weight_files",
 ]
@@ -265,6 +266,17 @@ def open_checkpoint(
         if value is not None
     )
     raise MissingCheckpointFileError(f"No weights in {directory}{chosen}: expected one of {expected}.")
+
+
+def open_safetensors_file(path: Path) -> CheckpointFiles:
+    """One safetensors file (e.g. a peft adapter's ``adapter_model.safetensors``) as checkpoint files: every key of
+    it, read slice by slice; a truncated or corrupt file fails here."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingCheckpointFileError(f"{path} does not exist.")
+    files = CheckpointFiles(path.parent, {}, "safetensors")
+    files.key_to_file = dict.fromkeys(_single_file_keys(path, files, "safetensors"), path.name)
+    return files
 
 
 def _read_index(path: Path) -> dict[str, str]:

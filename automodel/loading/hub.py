@@ -20,7 +20,7 @@ try:  # huggingface_hub >= 1.x: offline, a snapshot its cached tree listing show
 except ImportError:  # older releases return such a snapshot as it is
     IncompleteSnapshotError = None
 
-__all__ = ["HubOptions", "resolve_checkpoint_dir"]
+__all__ = ["HubOptions", "resolve_adapter_dir", "resolve_checkpoint_dir"]
 
 METADATA_PATTERNS = [
     "config.json",
@@ -39,6 +39,7 @@ METADATA_PATTERNS = [
 # "*.safetensors": repos also ship other weights (Mistral's consolidated.safetensors, original/ folders) that would
 # double the download.
 REMOTE_CODE_PATTERNS = ["*.py"]
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,42 @@ def _resolve(name_or_path: str | os.PathLike, options: HubOptions) -> Path:
     except LocalEntryNotFoundError as error:
         raise _not_in_cache(repo_id, options.revision, options.cache_dir, offline, error) from error
     return _in_subfolder(snapshot, options.subfolder, name_or_path)
+
+
+def resolve_adapter_dir(name_or_path: str | os.PathLike, options: HubOptions | None = None) -> Path:
+    """A local folder holding a peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``): the path itself,
+    or the hub snapshot of that id with only those two files; a failure any rank sees is raised on every rank."""
+    options = options or HubOptions()
+    directory, error = None, None
+    try:
+        path = Path(name_or_path)
+        if path.is_dir():
+            directory = _in_subfolder(path, options.subfolder, name_or_path)
+        else:
+            offline = options.local_files_only or constants.HF_HUB_OFFLINE
+            prefix = f"{options.subfolder.strip('/')}/" if options.subfolder else ""
+
+            def fetch(only_local: bool) -> Path:
+                return Path(
+                    snapshot_download(
+                        str(name_or_path),
+                        revision=options.revision,
+                        cache_dir=options.cache_dir,
+                        token=options.token,
+                        local_files_only=only_local,
+                        allow_patterns=[prefix + name for name in ADAPTER_FILES],
+                    )
+                )
+
+            try:
+                snapshot = _once_per_node(lambda: fetch(offline), lambda: fetch(True))
+            except LocalEntryNotFoundError as exc:
+                raise _not_in_cache(str(name_or_path), options.revision, options.cache_dir, offline, exc) from exc
+            directory = _in_subfolder(snapshot, options.subfolder, name_or_path)
+    except Exception as exc:  # raised below on every rank
+        error = exc
+    agree_or_raise(error, f"Resolving the adapter {name_or_path}")
+    return directory
 
 
 def _in_subfolder(directory: Path, subfolder: str, name_or_path: str | os.PathLike) -> Path:

@@ -122,11 +122,15 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class ExportSection:
-    """``dir``: the consolidated HF checkpoint written after training; ``push_to_hub``: a repo id to upload it to."""
+    """``dir``: the consolidated HF checkpoint written after training; ``push_to_hub``: a repo id to upload it to.
+    ``lora`` (with LoRA): ``merged`` folds the adapters into a full checkpoint in ``dir``, ``adapter`` writes only the
+    adapter (peft's ``adapter_model.safetensors`` + ``adapter_config.json``) to ``dir``, ``both`` writes the merged
+    checkpoint to ``dir`` and the adapter to ``dir/adapter``."""
 
     dir: str | None = None
     max_shard_size: str = "5GB"
     push_to_hub: str | None = None
+    lora: Literal["merged", "adapter", "both"] = "merged"
 
 
 @dataclass(frozen=True)
@@ -364,13 +368,12 @@ def _validate_lora(config: RecipeConfig) -> None:
             f"lora.rank={lora.rank}: set a positive rank to train LoRA adapters (0 trains the whole model)."
         )
     if lora.rank == 0:
+        if config.export.lora != "merged":
+            raise ConfigError(f"export.lora={config.export.lora!r} needs LoRA adapters: set lora.rank > 0.")
         return
     if config.recipe != "sft":
         raise ConfigError("lora.rank > 0 adapts a pretrained model: use it with `automodel sft`, not pretraining.")
-    if layout.strategy != "fsdp2" or layout.tp_size > 1 or layout.ep_size > 1:
-        raise ConfigError(
-            "LoRA runs on the FSDP2 path without TP or EP (the adapters wrap the projections their plans name): "
-            "layout.strategy=fsdp2, layout.tp_size=1, layout.ep_size=1."
-        )
+    if layout.strategy == "megatron_fsdp":
+        raise ConfigError("LoRA runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
     if importlib.util.find_spec("peft") is None:
         raise ConfigError('lora.rank > 0 needs the peft package: pip install "automodel[peft]".')

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,7 +260,7 @@ def _tensorboard(config: RecipeConfig):
 
 
 def _export(config: RecipeConfig, model: nn.Module, tokenizer):
-    from automodel.loading.export import ModelCardInfo, push_to_hub, save_hf_checkpoint
+    from automodel.loading.export import ModelCardInfo, save_hf_checkpoint
 
     summary = {
         "recipe": config.recipe,
@@ -272,9 +273,15 @@ def _export(config: RecipeConfig, model: nn.Module, tokenizer):
     }
     if config.lora.rank:
         from automodel.lora import merge_lora
+        from automodel.lora_checkpoint import save_lora_adapter
 
         summary["lora"] = {"rank": config.lora.rank, "alpha": config.lora.alpha, "targets": config.lora.target_modules}
-        model = merge_lora(model)  # the export is a plain checkpoint: adapters folded into the weights
+        export = Path(config.export.dir)
+        if config.export.lora == "adapter":
+            return _publish(config, _export_adapter(model, export, tokenizer))
+        if config.export.lora == "both":  # the adapter first: merging folds it away
+            adapter = save_lora_adapter(model, export.parent / f".{export.name}.adapter")
+        model = merge_lora(model)  # the merged export is a plain checkpoint: adapters folded into the weights
     info = ModelCardInfo(base_model=config.model.path, training_summary=summary, tags=(config.recipe,))
     directory = save_hf_checkpoint(
         model,
@@ -285,6 +292,27 @@ def _export(config: RecipeConfig, model: nn.Module, tokenizer):
         model_id=config.export.push_to_hub,
         overwrite=True,
     )
+    if config.lora.rank and config.export.lora == "both":
+        if dist.get_rank() == 0:
+            os.replace(adapter, directory / "adapter")
+        dist.barrier()
+    return _publish(config, directory)
+
+
+def _export_adapter(model: nn.Module, directory: Path, tokenizer) -> Path:
+    """The adapter alone (as peft's save_pretrained writes it) and the tokenizer beside it, as peft users keep them."""
+    from automodel.lora_checkpoint import save_lora_adapter
+
+    directory = save_lora_adapter(model, directory)
+    if tokenizer is not None and dist.get_rank() == 0:
+        tokenizer.save_pretrained(directory)
+    dist.barrier()
+    return directory
+
+
+def _publish(config: RecipeConfig, directory: Path) -> Path:
     if config.export.push_to_hub and dist.get_rank() == 0:
+        from automodel.loading.export import push_to_hub
+
         push_to_hub(directory, config.export.push_to_hub)
     return directory

@@ -17,15 +17,22 @@ from automodel.loading.sources import select
 from automodel.lora import merge_lora
 from tests.tiny_models import token_batch
 
+# Colwise (q_proj, v_proj) and rowwise (down_proj) base layers under TP.
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+# The dense modules of a MoE model (its routed experts are fused parameters, not modules).
+MOE_LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])
+# Every linear layer but the output head (peft's "all-linear"): a MoE model's routers and shared experts included.
+ALL_LINEAR = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+CONFIGS = {"dense": LORA, "moe": MOE_LORA, "all_linear": ALL_LINEAR}
 
 
-def lora_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+def lora_parity(checkpoint: str, layout: dict[str, Any], targets: str = "dense") -> dict[str, Any]:
     """LoRA through from_pretrained (sharded) vs peft's get_peft_model on plain transformers with the same adapter
     values: logits, loss and every adapter gradient; then the merge keeps the logits."""
+    config = CONFIGS[targets]
     context = MeshContext.build(**layout)
-    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, peft_config=LORA).train()
-    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint), LORA).train()
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, peft_config=config).train()
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint), config).train()
     base = AutoModelForCausalLM.from_pretrained(checkpoint)
     batch = token_batch()
     with torch.no_grad():
@@ -77,10 +84,63 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def lora_layout_error(checkpoint: str, layout: dict[str, Any]) -> str:
-    """The error LoRA gives with a layout it does not support."""
-    try:
-        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=MeshContext.build(**layout), peft_config=LORA)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+def _random_lora_b(model: torch.nn.Module) -> None:
+    """Non-zero lora_B factors (peft starts them at zero), the same values on every rank, so an adapter changes the
+    outputs."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                full = torch.randn(param.shape, generator=generator) * 0.1
+                _local(param).copy_(select(full, local_indices(param)))
+
+
+def save_adapter(checkpoint: str, layout: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Load with new adapters for ``layout``, give them values, save the adapter on every rank; the sharded model's
+    logits (for the round trip) on rank 0."""
+    from automodel.lora_checkpoint import save_lora_adapter
+
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, peft_config=LORA)
+    _random_lora_b(model)
+    with torch.no_grad():
+        logits = full_tensor(model(input_ids=token_batch()).logits)
+    save_lora_adapter(model, directory)
+    return {"logits": logits if dist.get_rank() == 0 else None}
+
+
+def load_adapter(checkpoint: str, layout: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Load ``checkpoint`` with the saved adapter for ``layout``; its logits and which parameters train."""
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, lora_adapter=directory)
+    with torch.no_grad():
+        logits = full_tensor(model(input_ids=token_batch()).logits)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    return {"logits": logits, "trainable": trainable}
+
+
+def dropout_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, float]:
+    """LoRA dropout in training mode on colwise layers under TP (one data-parallel rank, so the batch is whole):
+    with every rank seeded alike, the masks, hence the logits and adapter gradients, are peft's own."""
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj", "gate_proj"])
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, peft_config=config).train()
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint), config).train()
+    _random_lora_b(model)
+    ref_params = {n.removeprefix("base_model.model."): p for n, p in reference.named_parameters()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            ref_params[name].copy_(full_tensor(param))
+    batch = token_batch()
+    torch.manual_seed(11)
+    out = model(input_ids=batch, labels=batch)
+    torch.manual_seed(11)
+    ref = reference(input_ids=batch, labels=batch)
+    out.loss.backward()
+    ref.loss.backward()
+    grads = [
+        (full_tensor(p.grad) - ref_params[n].grad).abs().max().item()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    ]
+    return {"logits": (full_tensor(out.logits) - ref.logits).abs().max().item(), "grad": max(grads)}

@@ -71,6 +71,23 @@ def _export_matches(result) -> float | None:
         return (plain(input_ids=batch).logits.float() - logits).abs().max().item()
 
 
+def _adapter_matches(result, base: str, adapter: Path) -> float | None:
+    """Max |logits(plain base + the exported ``adapter`` through peft) - logits(trained sharded model)| on rank 0."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = result.model.eval()
+    batch = torch.arange(1, 17).reshape(2, 8) % model.config.vocab_size
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits
+        logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float()
+    if dist.get_rank() != 0:
+        return None
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+    with torch.no_grad():
+        return (plain(input_ids=batch).logits.float() - logits).abs().max().item()
+
+
 def train_with_a_crash_during_save(config_path: str, overrides: list[str], crash_step: int) -> dict[str, Any]:
     """Run a recipe whose checkpoint write of ``crash_step`` dies after the files are written but before the
     checkpoint is committed (as a kill at that moment would); report what is left on disk."""
@@ -101,12 +118,21 @@ def train_with_a_crash_during_save(config_path: str, overrides: list[str], crash
 
 
 def train_lora(config_path: str, overrides: list[str]) -> dict[str, Any]:
-    """Run a LoRA recipe; also report whether the base weights stayed exactly the checkpoint's."""
+    """Run a LoRA recipe; also report whether the base weights stayed exactly the checkpoint's, and, for an
+    adapter-only export, whether peft loads it onto plain transformers with the trained model's logits."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(config_path, overrides)
     result = run(config)
+    if config.export.lora == "adapter":
+        return {
+            "losses": result.losses,
+            "adapter_logits": _adapter_matches(result, config.model.path, result.export_dir),
+            "adapter_files": sorted(path.name for path in Path(result.export_dir).iterdir()),
+        }
     facts = {"losses": result.losses, "export_logits": _export_matches(result) if result.export_dir else None}
+    if config.export.lora == "both":  # the adapter in export/adapter, beside the merged checkpoint
+        facts["adapter_logits"] = _adapter_matches(result, config.model.path, Path(result.export_dir) / "adapter")
     if dist.get_rank() == 0 and result.export_dir:
         base = AutoModelForCausalLM.from_pretrained(config.model.path)
         exported = AutoModelForCausalLM.from_pretrained(result.export_dir)
