@@ -30,6 +30,7 @@ from automodel.keyword_arguments import check_loading_options, dtype_argument, u
 from automodel.loading import CheckpointPlan, read_json, resolve_checkpoint_dir
 from automodel.loading.hub import HubOptions, resolve_adapter_dir
 from automodel.loading.pipeline import build_on_every_rank, load_parallelized, transformers_model
+from automodel.loading.quantized import QuantizationScheme, pop_quantization_scheme
 from automodel.lora import add_lora
 from automodel.lora_checkpoint import LoraAdapter, read_lora_adapter
 from model_sidecars import sidecar_class
@@ -80,7 +81,9 @@ class _NeMoAutoBase:
         ``peft_config`` (a ``peft.LoraConfig``) adds LoRA adapters before parallelization, on every layout (see
         ``automodel.lora``): only they are trainable, initialised as peft does. ``lora_adapter`` (a folder or hub id
         ``PeftModel.save_pretrained`` / ``automodel.lora_checkpoint.save_lora_adapter`` wrote) adds that adapter
-        instead, each rank reading its slices of the factors.
+        instead, each rank reading its slices of the factors. A checkpoint quantized with block-scaled FP8 or MXFP4
+        (``quant_method`` ``fp8`` / ``mxfp4`` in its config) is dequantized to ``dtype`` while it is read, each rank
+        reading the codes and scales of its own shards; other methods are refused (see ``automodel.loading.quantized``).
 
         ``dtype`` (``"auto"`` by default: the config's), ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
         ``trust_remote_code``, ``attn_implementation``, ``force_download``, ``use_safetensors``, ``subfolder``,
@@ -104,8 +107,12 @@ class _NeMoAutoBase:
         )
         directory = resolve_checkpoint_dir(name_or_path, hub)
 
+        quantization: list[QuantizationScheme | None] = [None]
+
         def build() -> nn.Module:
             config = _load_config(name_or_path, directory, trust_remote_code, config_overrides)
+            # A quantized checkpoint builds the unquantized model; its weights are dequantized while they are read.
+            quantization[0] = pop_quantization_scheme(config)
             model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
             if hasattr(model, "generation_config"):
                 model.generation_config = generation_config or _generation_config(directory, model)
@@ -113,6 +120,14 @@ class _NeMoAutoBase:
 
         model = build_on_every_rank(build, f"Building the model of {name_or_path}")
         set_user_tp_plan(model, tp_plan)
+        if quantization[0] is not None:
+            log_rank_zero(
+                logger,
+                "%s is quantized (%s): dequantizing its weights to %s while reading them.",
+                name_or_path,
+                quantization[0].describe(),
+                next(model.parameters()).dtype,
+            )
 
         adapter = _read_adapter(lora_adapter, peft_config, hub)
 
@@ -133,6 +148,7 @@ class _NeMoAutoBase:
                 progress=True,
                 use_safetensors=use_safetensors,
                 variant=variant,
+                quantization=quantization[0],
             )
         finally:
             if adapter is not None:

@@ -77,7 +77,8 @@ def check_loading_options(kwargs: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"from_pretrained({key}=...) asks to quantize the model while loading, which is not supported: the "
                 "parallelized model holds full-precision weights (bf16 or fp32). Load without it, and choose the "
-                "precision with dtype=."
+                "precision with dtype=; a checkpoint already quantized with fp8 or mxfp4 is dequantized on read "
+                "without any option."
             )
         if key in _UNSUPPORTED:
             raise ValueError(f"from_pretrained({key}=...) is not supported: {_UNSUPPORTED[key]}.")

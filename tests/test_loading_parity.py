@@ -27,7 +27,7 @@ EP_LAYOUTS = {
     "ep4": (4, {"strategy": "fsdp2", "ep_size": 4}),
     "ep2_x_tp2": (4, {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2}),
 }
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
 QUICK = {
     ("llama", "fsdp2_dp4"),
     ("llama_tied", "fsdp2_tp_2x2"),

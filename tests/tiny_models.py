@@ -63,6 +63,18 @@ ARCHITECTURES: dict[str, dict] = {
         decoder_sparse_step=1,
         tie_word_embeddings=False,
     ),
+    # gpt-oss: MXFP4 needs the experts' input dims to be multiples of 32.
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        **{**_DENSE, "hidden_size": 64, "intermediate_size": 64},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        tie_word_embeddings=False,
+        attn_implementation="eager",  # its attention sinks have no SDPA path
+    ),
     "olmoe": dict(model_type="olmoe", **_DENSE, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
 }
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .direct_read import SafetensorsHeader, contiguous_byte_range, read_header, read_into
+from .direct_read import SAFETENSORS_DTYPES, SafetensorsHeader, contiguous_byte_range, read_header, read_into
 
 __all__ = [
     "CheckpointError",
@@ -93,6 +93,16 @@ class CheckpointFiles:
             else:
                 self._shapes[key] = tuple(handle[key].shape)
         return self._shapes[key]
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The stored dtype of ``key`` (from the file header); ``None`` for a dtype torch has no name for."""
+        handle = self._handle(self.key_to_file[key])
+        if self.kind != "safetensors":
+            return handle[key].dtype
+        header = self._headers.get(self.key_to_file[key])
+        if header is not None and key in header.entries:
+            return header.entries[key].dtype
+        return SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
 
     def read_slice(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """``stored[key][slices]`` as a new tensor holding only those elements."""

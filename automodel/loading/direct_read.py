@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SafetensorsHeader", "contiguous_byte_range", "read_header", "read_into"]
+__all__ = ["SAFETENSORS_DTYPES", "SafetensorsHeader", "contiguous_byte_range", "read_header", "read_into"]
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -32,6 +32,8 @@ _DTYPES = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    # E8M0 block exponents (MXFP8 scales); absent from older torch builds.
+    **({"F8_E8M0": torch.float8_e8m0fnu} if hasattr(torch, "float8_e8m0fnu") else {}),
 }
 _MAX_READ = 1 << 30  # preadv moves at most ~2 GiB per call on Linux
 
@@ -65,7 +67,7 @@ def read_header(path: Path) -> SafetensorsHeader:
             continue
         begin, stop = entry["data_offsets"]
         end = max(end, stop)
-        entries[key] = TensorEntry(_DTYPES.get(entry["dtype"]), tuple(entry["shape"]), data_start + begin)
+        entries[key] = TensorEntry(SAFETENSORS_DTYPES.get(entry["dtype"]), tuple(entry["shape"]), data_start + begin)
     return SafetensorsHeader(entries, data_start + end)
 
 

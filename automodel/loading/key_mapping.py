@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ from transformers.core_model_loading import (
 )
 
 from .checkpoint_files import CheckpointFiles
+from .quantized import DequantizedKeys
 from .sources import Concatenated, Source, Stacked, StoredTensor, select
 
 __all__ = ["KeyPlan", "plan_keys"]
@@ -42,12 +44,24 @@ class KeyPlan:
     missing: list[str] = field(default_factory=list)
 
 
-def plan_keys(model: nn.Module, files: CheckpointFiles, model_names: dict[str, torch.Size]) -> KeyPlan:
+def plan_keys(
+    model: nn.Module,
+    files: CheckpointFiles,
+    model_names: dict[str, torch.Size],
+    dequantized: DequantizedKeys | None = None,
+) -> KeyPlan:
     """Map every checkpoint key onto ``model_names`` (state-dict name -> global shape).
 
-    Keys the model does not have are ``unexpected``; model names no checkpoint key provides are ``missing``.
+    ``dequantized`` stands quantized tensors in for the float keys they represent (their codes and scales are not
+    keys of their own). Keys the model does not have are ``unexpected``; model names no checkpoint key provides are
+    ``missing``.
     """
-    stored = list(files.keys())
+    dequantized = dequantized or DequantizedKeys()
+    stored = sorted({key for key in files.keys() if key not in dequantized.consumed} | set(dequantized.sources))
+
+    def source_of(key: str) -> Source:
+        return dequantized.sources.get(key) or StoredTensor(files, key, files.shape(key))
+
     # Building transformers' conversion table compiles about a thousand regexes (a third of a second) the first time:
     # skip it when every stored key already names a model tensor, as for most dense checkpoints.
     # Only transformers models have a conversion mapping; other models (diffusers) store their module tree's names.
@@ -68,27 +82,28 @@ def plan_keys(model: nn.Module, files: CheckpointFiles, model_names: dict[str, t
         if target not in known:
             plan.unexpected.append(key)
         elif pattern is None:
-            plan.sources[target] = StoredTensor(files, key, files.shape(key))
+            plan.sources[target] = source_of(key)
         else:
             converter, by_source = groups.setdefault(target, (by_pattern[pattern], {}))
             by_source.setdefault(pattern, []).append(key)
     for target, (converter, by_source) in groups.items():
-        plan.sources.update(_converted_sources(model, files, target, converter, by_source))
+        plan.sources.update(_converted_sources(model, source_of, target, converter, by_source))
     plan.missing = [name for name in model_names if name not in plan.sources]
     return plan
 
 
 def _converted_sources(
-    model: nn.Module, files: CheckpointFiles, target: str, converter: WeightConverter, by_source: dict[str, list[str]]
+    model: nn.Module,
+    source_of: Callable[[str], Source],
+    target: str,
+    converter: WeightConverter,
+    by_source: dict[str, list[str]],
 ) -> dict[str, Source]:
     ops = converter.operations
     patterns = [pattern for pattern in converter.source_patterns if pattern in by_source]
 
-    def stored(key: str) -> StoredTensor:
-        return StoredTensor(files, key, files.shape(key))
-
     def stacked(pattern: str, dim: int) -> Stacked:
-        return Stacked([stored(key) for key in by_source[pattern]], dim)
+        return Stacked([source_of(key) for key in by_source[pattern]], dim)
 
     if len(converter.target_patterns) == 1:
         if len(ops) == 1 and isinstance(ops[0], MergeModulelist) and len(patterns) == 1:
@@ -96,16 +111,16 @@ def _converted_sources(
         if len(ops) == 2 and isinstance(ops[0], MergeModulelist) and isinstance(ops[1], Concatenate):
             return {target: Concatenated([stacked(p, ops[0].dim) for p in patterns], ops[1].dim)}
         if len(ops) == 1 and isinstance(ops[0], Concatenate) and all(len(by_source[p]) == 1 for p in patterns):
-            return {target: Concatenated([stored(by_source[p][0]) for p in patterns], ops[0].dim)}
-    conversion = _FullConversion(model, files, target, converter, by_source)
+            return {target: Concatenated([source_of(by_source[p][0]) for p in patterns], ops[0].dim)}
+    conversion = _FullConversion(model, source_of, target, converter, by_source)
     return {name: _ConvertedTensor(conversion, name) for name in conversion.target_names()}
 
 
 class _FullConversion:
     """Runs transformers' converter for one target on the full source tensors, once, when first read."""
 
-    def __init__(self, model, files, target, converter, by_source) -> None:
-        self.model, self.files, self.target = model, files, target
+    def __init__(self, model, source_of, target, converter, by_source) -> None:
+        self.model, self.source_of, self.target = model, source_of, target
         self.converter, self.by_source = converter, by_source
         self._result: dict[str, torch.Tensor] | None = None
 
@@ -126,7 +141,8 @@ class _FullConversion:
         return self._result
 
     def _read_full(self, key: str) -> torch.Tensor:
-        return self.files.read_slice(key, tuple(slice(0, size) for size in self.files.shape(key)))
+        source = self.source_of(key)
+        return source.read([torch.arange(size) for size in source.shape])
 
 
 @dataclass

@@ -17,8 +17,9 @@ from .agreement import agree_or_raise
 from .checkpoint_files import CheckpointError, CheckpointFiles, open_checkpoint
 from .initialization import initialize_missing, non_persistent_buffer_names
 from .key_mapping import KeyPlan, ignored, plan_keys
+from .quantized import DequantizedKeys, QuantizationScheme, dequantized_keys
 from .sharded_loader import LoadReport, load_into, peak_rss_bytes, state_tensors
-from .sources import Source
+from .sources import Source, StoredTensor
 
 __all__ = ["CheckpointPlan", "load_checkpoint", "materialize", "plan_checkpoint"]
 
@@ -59,6 +60,8 @@ class CheckpointPlan:
     directory: Path
     files: CheckpointFiles
     keys: KeyPlan
+    quantization: QuantizationScheme | None = None
+    dequantized: int = 0  # quantized tensors of the checkpoint, dequantized on read
 
 
 def plan_checkpoint(
@@ -68,18 +71,22 @@ def plan_checkpoint(
     strict: bool = True,
     use_safetensors: bool | None = None,
     variant: str | None = None,
+    quantization: QuantizationScheme | None = None,
 ) -> CheckpointPlan:
     """Check the checkpoint in ``directory`` against ``model`` (built on meta, not yet parallelized) on every rank.
 
     Opens every file (a missing, truncated or corrupt shard fails here), maps its keys through transformers'
     conversion mapping, and compares shapes. Missing or unexpected keys are an error listing them unless
-    ``strict=False``. A failure any rank sees is raised on every rank, before anything is allocated or read.
+    ``strict=False``. A checkpoint quantized as ``quantization`` says is dequantized on read; quantized tensors
+    without it are an error. A failure any rank sees is raised on every rank, before anything is allocated or read.
     """
     plan, error = None, None
     try:
         files = open_checkpoint(directory, use_safetensors=use_safetensors, variant=variant)
         files.validate()
-        plan = CheckpointPlan(directory, files, _checked_keys(model, files, strict=strict))
+        dequantized = dequantized_keys(files, quantization)
+        keys = _checked_keys(model, files, strict=strict, dequantized=dequantized)
+        plan = CheckpointPlan(directory, files, keys, quantization, len(dequantized.sources))
     except (CheckpointError, ValueError, OSError) as exc:
         error = exc
     agree_or_raise(error, f"Checking the checkpoint in {directory}")
@@ -111,15 +118,20 @@ def load_checkpoint(
     buffers = non_persistent_buffer_names(model) if recompute is None else recompute
     initialize_missing(model, set(plan.keys.missing) | buffers, seed=seed)
     report.bytes_read = plan.files.bytes_read
+    if plan.quantization is not None:
+        report.dequantized = f"{plan.dequantized} tensors from {plan.quantization.describe()}"
     report.seconds = time.perf_counter() - start
     report.peak_rss_bytes = peak_rss_bytes()
     return report
 
 
-def _checked_keys(model: nn.Module, files: CheckpointFiles, *, strict: bool) -> KeyPlan:
-    shapes = {name: tuple(tensor.shape) for name, tensor in state_tensors(model)}
+def _checked_keys(
+    model: nn.Module, files: CheckpointFiles, *, strict: bool, dequantized: DequantizedKeys | None = None
+) -> KeyPlan:
+    tensors = dict(state_tensors(model))
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
     aliases = {alias: group[0] for group in tied_parameter_names(model) for alias in group[1:]}
-    plan = plan_keys(model, files, {**shapes, **dict.fromkeys(aliases)})
+    plan = plan_keys(model, files, {**shapes, **dict.fromkeys(aliases)}, dequantized)
     _fold_tied_aliases(plan, aliases)
     plan.missing = [n for n in plan.missing if not ignored(n, getattr(model, "_keys_to_ignore_on_load_missing", None))]
     plan.unexpected = [
@@ -141,6 +153,16 @@ def _checked_keys(model: nn.Module, files: CheckpointFiles, *, strict: bool) -> 
     ]
     if mismatched:
         problems.append(f"shapes that disagree with the config: {_listing(mismatched)}")
+    # Integer codes (packed or quantized weights) cast to a float parameter would be silently wrong values.
+    integers = [
+        f"{name} (stored {source.key} as {files.dtype(source.key)})"
+        for name, source in plan.sources.items()
+        if isinstance(source, StoredTensor)
+        and tensors[name].is_floating_point()
+        and not (files.dtype(source.key) or torch.float32).is_floating_point
+    ]
+    if integers:
+        problems.append(f"integer tensors for float parameters (quantized or packed weights?): {_listing(integers)}")
     if problems:
         keys_differ = strict and (plan.missing or plan.unexpected)
         hint = ". Pass strict=False to initialise missing tensors and ignore unexpected ones." if keys_differ else "."

@@ -25,6 +25,7 @@ from automodel.distributed.runtime import device_of
 from .agreement import agree_or_raise
 from .initialization import non_persistent_buffer_names
 from .loader import CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
+from .quantized import QuantizationScheme
 from .sharded_loader import LoadReport, load_into, state_tensors
 from .sources import InMemoryTensor
 
@@ -63,19 +64,29 @@ def load_parallelized(
     progress: bool = False,
     use_safetensors: bool | None = None,
     variant: str | None = None,
+    quantization: QuantizationScheme | None = None,
 ) -> Loaded:
     """Turn ``model`` (built on the meta device) into a parallelized model holding its weights.
 
     The weights come from the ``checkpoint`` directory (each rank reading only the slices of its shards; checked
     against the model first, with ``strict`` key matching; ``use_safetensors`` and ``variant`` choose its files) or from
-    full in-memory ``weights`` by name (``from_config`` copies each rank's shards out of them). ``prepare(model, plan)`` runs after the check and before
-    parallelization (LoRA injection). Without ``mesh_context`` the model is filled whole on the CPU.
+    full in-memory ``weights`` by name (``from_config`` copies each rank's shards out of them). A checkpoint
+    quantized as ``quantization`` says is dequantized while it is read. ``prepare(model, plan)`` runs after the
+    check and before parallelization (LoRA injection). Without ``mesh_context`` the model is filled whole on the
+    CPU.
     """
     if (checkpoint is None) == (weights is None):
         raise ValueError("load_parallelized needs exactly one of `checkpoint` and `weights`.")
     plan = None
     if checkpoint is not None:
-        plan = plan_checkpoint(model, checkpoint, strict=strict, use_safetensors=use_safetensors, variant=variant)
+        plan = plan_checkpoint(
+            model,
+            checkpoint,
+            strict=strict,
+            use_safetensors=use_safetensors,
+            variant=variant,
+            quantization=quantization,
+        )
     if prepare is not None:
         prepare(model, plan)
     if mesh_context is not None:

@@ -26,12 +26,14 @@ class LoadReport:
     bytes_read: int = 0
     seconds: float = 0.0
     peak_rss_bytes: int = 0
+    dequantized: str | None = None  # e.g. "14 tensors from fp8 (128x128 blocks)"
 
     def summary(self) -> str:
         """One log line: what was read, how long it took, peak host memory."""
         return (
             f"loaded {self.loaded} tensors ({self.bytes_read / 2**20:.1f} MiB read on this rank) in "
             f"{self.seconds:.2f} s, peak host memory {self.peak_rss_bytes / 2**30:.2f} GiB"
+            + (f"; dequantized {self.dequantized}" if self.dequantized else "")
             + (f"; initialised {len(self.initialized)} missing" if self.initialized else "")
         )
 
