@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from automodel.training.batches import DistributedBatchLoader
+from automodel.training.batches import DistributedBatchLoader, _epoch_permutation
 from automodel.training.data import (
     Example,
     load_records,
@@ -168,8 +168,14 @@ def test_pack_examples_fills_sequences_of_exactly_seq_len_without_splitting():
         [2, 2, 2, 2, 3, 3],
         [4, 4, 4, 4, 4, 5],
     ]
-    assert packed[0].labels == [101, 101, 101, -100, -100, -100]
-    assert packed[2].labels == [104] * 5 + [105]
+    # Each example's first token is no target (it would be the previous example's last prediction).
+    assert packed[0].labels == [-100, 101, 101, -100, -100, -100]
+    assert packed[1].labels == [-100, 102, 102, 102, -100, 103]
+    assert packed[2].labels == [-100] + [104] * 4 + [-100]
+    # Positions restart for every packed example (and for the padding): transformers masks each to itself.
+    assert packed[0].position_ids == [0, 1, 2, 0, 1, 2] and packed[0].padding == 3
+    assert packed[1].position_ids == [0, 1, 2, 3, 0, 1] and packed[1].padding == 0
+    assert packed[2].position_ids == [0, 1, 2, 3, 4, 0]
     with pytest.raises(ValueError, match="Example 1 has 7 tokens > seq_len=6"):
         pack_examples([Example([1], [1]), Example([2] * 7, [2] * 7)], seq_len=6, pad_id=0)
 
@@ -270,13 +276,25 @@ def test_batches_are_padded_tensors_of_micro_batch_by_seq_len():
     batches = loader.next_global_batch()
     assert len(batches) == 2
     for batch in batches:
-        assert set(batch) == {"input_ids", "labels"}
+        assert set(batch) == {"input_ids", "labels", "num_tokens"}  # no position_ids: the examples are not packed
         assert batch["input_ids"].shape == batch["labels"].shape == (2, 4)
         assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
-        for row_ids, row_labels in zip(batch["input_ids"], batch["labels"], strict=True):
-            length = (int(row_ids[0]) - 1) % 3 + 1  # numbered_examples' length rule
+        lengths = [(int(row_ids[0]) - 1) % 3 + 1 for row_ids in batch["input_ids"]]  # numbered_examples' rule
+        assert batch["num_tokens"].item() == sum(lengths), "tokens/s counts the tokens, not the padding"
+        for row_ids, row_labels, length in zip(batch["input_ids"], batch["labels"], lengths, strict=True):
             assert (row_ids[length:] == 0).all() and (row_labels[length:] == -100).all()
             assert (row_labels[:length] == row_ids[:length]).all()
+
+
+def test_packed_batches_carry_their_positions_and_count_tokens_without_padding():
+    packed = pack_examples(numbered_examples(6), seq_len=4, pad_id=0)
+    loader = DistributedBatchLoader(
+        packed, global_batch_size=2, micro_batch_size=2, dp_rank=0, dp_size=1, seq_len=4, pad_id=0
+    )
+    batch = loader.next_global_batch()[0]
+    rows = [packed[i] for i in _epoch_permutation(len(packed), seed=0, epoch=0)[:2]]
+    assert batch["position_ids"].tolist() == [row.position_ids for row in rows]
+    assert batch["num_tokens"].item() == sum(len(row.input_ids) - row.padding for row in rows)
 
 
 def test_same_seed_gives_same_batches_and_epochs_reshuffle():

@@ -6,8 +6,10 @@ under :data:`CP_ATTENTION`: it all-gathers K/V over ``cp`` (autograd-aware: thei
 back), and masks causally by the tokens' global positions, which the model receives as ``position_ids``. This runs on
 gloo (CPU) and NCCL alike; torch's own ``context_parallel`` has no sharding rule for the CPU SDPA kernel.
 
-Supported: causal decoder layers whose attention goes through transformers' attention interface, without sliding
-windows or attention sinks, and batches without padding masks (pack or pad to full length instead).
+The mask follows the documents the ``position_ids`` describe (a new one wherever they do not continue by one), so
+packed sequences keep each example to itself on every shard. Supported: causal decoder layers whose attention goes
+through transformers' attention interface, without sliding windows or attention sinks, and batches without padding
+masks (pack or pad to full length instead).
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ def _context_parallel_attention(
     group = mesh.get_group()
     keys = _all_gather_autograd(key.contiguous(), gather_dim=2, group=group)
     values = _all_gather_autograd(value.contiguous(), gather_dim=2, group=group)
+    positions = positions.expand(query.shape[0], -1)
     all_positions = _all_gather(positions.contiguous(), gather_dim=1, group=group)
-    mask = positions[:, None, :, None] >= all_positions[:, None, None, :]
+    mask = _causal_document_mask(all_positions, mesh.size(), mesh.get_local_rank())
     output = F.scaled_dot_product_attention(
         query,
         keys,
@@ -104,14 +107,50 @@ def _chunk_order(cp_size: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
+def _global_index(length: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """The sequence index of each of a CP rank's ``length`` local tokens (its two load-balanced chunks)."""
+    chunk = length // 2
+    first, second = _chunk_order(cp_size, cp_rank)
+    return torch.cat(
+        [
+            torch.arange(first * chunk, (first + 1) * chunk, device=device),
+            torch.arange(second * chunk, (second + 1) * chunk, device=device),
+        ]
+    )
+
+
+def _causal_document_mask(all_positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """[batch, 1, local queries, all keys]: a query sees the keys at or before it in its own document.
+
+    ``all_positions`` are the model's ``position_ids`` gathered over ``cp`` (rank by rank). A document starts where
+    the positions do not continue by one (transformers' packed-sequence rule), so a packed batch (positions restarting
+    per example) gets a block-diagonal causal mask and an unpacked one a plain causal mask.
+    """
+    length = all_positions.shape[1] // cp_size
+    index = torch.cat([_global_index(length, cp_size, rank, all_positions.device) for rank in range(cp_size)])
+    in_order = torch.empty_like(all_positions)
+    in_order[:, index] = all_positions
+    starts = torch.diff(in_order, prepend=in_order[:, :1] - 1, dim=-1) != 1
+    documents = starts.cumsum(-1)[:, index]  # back in gathered order
+    mine = slice(cp_rank * length, (cp_rank + 1) * length)
+    causal = index[mine][:, None] >= index[None, :]
+    same_document = documents[:, mine, None] == documents[:, None, :]
+    return (same_document & causal)[:, None]
+
+
 def shard_batch_for_context_parallel(
-    input_ids: torch.Tensor, labels: torch.Tensor | None, cp_mesh: DeviceMesh
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    cp_mesh: DeviceMesh,
+    position_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """This CP rank's part of a causal-LM batch: ``input_ids``, ``position_ids`` and ``shift_labels``.
 
     Labels are shifted over the whole sequence first (the loss of the last token of one shard needs the first token
     of the next), so call the model as ``model(**batch, labels=batch["shift_labels"])``: transformers' causal-LM
-    loss uses ``shift_labels`` as given. The sequence length must be a multiple of ``2 * cp_size``.
+    loss uses ``shift_labels`` as given. ``position_ids`` (default ``0, 1, 2, ...``) of a packed batch restart at 0
+    for every packed example, and attention keeps each example to itself. The sequence length must be a multiple of
+    ``2 * cp_size``.
     """
     cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
     length = input_ids.shape[1]
@@ -120,8 +159,9 @@ def shard_batch_for_context_parallel(
             f"Context parallelism splits each sequence into 2 * cp_size = {2 * cp_size} chunks, and the sequence "
             f"length {length} is not a multiple of it: pad the batch to a multiple of {2 * cp_size}."
         )
-    positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
-    batch = {"input_ids": input_ids, "position_ids": positions}
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device)
+    batch = {"input_ids": input_ids, "position_ids": position_ids.expand(input_ids.shape[0], -1)}
     if labels is not None:
         batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     chunk = length // (2 * cp_size)

@@ -121,13 +121,25 @@ class DistributedBatchLoader:
         self._order = None
 
     def _collate(self, indices: Iterable[int]) -> dict[str, torch.Tensor]:
+        """``input_ids`` / ``labels`` right-padded to ``seq_len``; ``num_tokens``, the tokens that are not padding;
+        ``position_ids`` when the examples are packed (positions restarting per packed example)."""
         examples = [self._examples[index] for index in indices]
         input_ids = torch.full((len(examples), self._seq_len), self._pad_id, dtype=torch.long)
         labels = torch.full((len(examples), self._seq_len), IGNORE_INDEX, dtype=torch.long)
+        packed = any(example.position_ids is not None for example in examples)
+        positions = torch.arange(self._seq_len).repeat(len(examples), 1) if packed else None
+        tokens = 0
         for row, example in enumerate(examples):
-            input_ids[row, : len(example.input_ids)] = torch.tensor(example.input_ids, dtype=torch.long)
-            labels[row, : len(example.labels)] = torch.tensor(example.labels, dtype=torch.long)
-        return {"input_ids": input_ids, "labels": labels}
+            length = len(example.input_ids)
+            input_ids[row, :length] = torch.tensor(example.input_ids, dtype=torch.long)
+            labels[row, :length] = torch.tensor(example.labels, dtype=torch.long)
+            if example.position_ids is not None:
+                positions[row, :length] = torch.tensor(example.position_ids, dtype=torch.long)
+            tokens += length - example.padding
+        batch = {"input_ids": input_ids, "labels": labels, "num_tokens": torch.tensor(tokens)}
+        if positions is not None:
+            batch["position_ids"] = positions
+        return batch
 
 
 def _epoch_permutation(size: int, seed: int, epoch: int) -> list[int]:

@@ -39,14 +39,20 @@ _START, _END = "\ue000", "\ue001"
 
 @dataclass(frozen=True)
 class Example:
-    """One training sequence; ``labels`` has the same length, ``-100`` where no loss is taken."""
+    """One training sequence; ``labels`` has the same length, ``-100`` where no loss is taken. ``position_ids``
+    (packed sequences only) restart at 0 for every example packed into it; ``None`` means ``0, 1, 2, ...``.
+    ``padding``: how many of the tokens are the padding a packed sequence ends in."""
 
     input_ids: list[int]
     labels: list[int]
+    position_ids: list[int] | None = None
+    padding: int = 0
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.labels):
             raise ValueError(f"Example has {len(self.input_ids)} input_ids but {len(self.labels)} labels")
+        if self.position_ids is not None and len(self.position_ids) != len(self.input_ids):
+            raise ValueError(f"Example has {len(self.input_ids)} input_ids but {len(self.position_ids)} position_ids")
 
 
 # ---------------------------------------------------------------------------------------------------------- loading
@@ -315,27 +321,34 @@ def pack_examples(examples: list[Example], seq_len: int, pad_id: int) -> list[Ex
 
     An example that does not fit in the current sequence starts the next one, and the current one is padded with
     ``pad_id`` / ``-100``: examples are never split (the end of an answer without its prompt teaches nothing), so
-    every sequence, not only the last, may end in padding. Packed examples attend to each other (one causal
-    sequence); their label masks keep the loss on each example's own assistant tokens.
+    every sequence, not only the last, may end in padding. Each packed example keeps its own positions (its
+    ``position_ids`` restart at 0, the padding's too), from which transformers builds a block-diagonal causal mask:
+    no example attends to another, and no example's last token is trained to predict the next example's first (its
+    label is ``-100``), so packing changes the cost, not what the model learns.
     """
     _check_positive(seq_len=seq_len)
-    packed, input_ids, labels = [], [], []
+    packed, input_ids, labels, positions = [], [], [], []
     for index, example in enumerate(examples):
         if len(example.input_ids) > seq_len:
             raise ValueError(f"Example {index} has {len(example.input_ids)} tokens > seq_len={seq_len}; truncate it")
         if len(input_ids) + len(example.input_ids) > seq_len:
-            packed.append(_padded(input_ids, labels, seq_len, pad_id))
-            input_ids, labels = [], []
+            packed.append(_padded(input_ids, labels, positions, seq_len, pad_id))
+            input_ids, labels, positions = [], [], []
         input_ids += example.input_ids
-        labels += example.labels
+        # The first token is never a target of its own example (the loss shifts labels by one): here it would be the
+        # previous example's last prediction.
+        labels += [IGNORE_INDEX] + example.labels[1:]
+        positions += range(len(example.input_ids))
     if input_ids:
-        packed.append(_padded(input_ids, labels, seq_len, pad_id))
+        packed.append(_padded(input_ids, labels, positions, seq_len, pad_id))
     return packed
 
 
-def _padded(input_ids: list[int], labels: list[int], seq_len: int, pad_id: int) -> Example:
+def _padded(input_ids: list[int], labels: list[int], positions: list[int], seq_len: int, pad_id: int) -> Example:
     padding = seq_len - len(input_ids)
-    return Example(input_ids + [pad_id] * padding, labels + [IGNORE_INDEX] * padding)
+    return Example(
+        input_ids + [pad_id] * padding, labels + [IGNORE_INDEX] * padding, positions + list(range(padding)), padding
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- pretraining

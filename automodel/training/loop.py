@@ -26,6 +26,7 @@ from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_c
 from .config import RecipeConfig
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .optim import clip_grad_norm, make_optimizer, make_scheduler
+from .packing import check_packed_attention
 from .tiny_model import write_tiny_model
 
 __all__ = ["TrainResult", "build_mesh_context", "run", "train_step"]
@@ -141,7 +142,7 @@ def train_step(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], c
     for index, batch in enumerate(micro_batches):
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        inputs = _model_inputs(batch, context, device)
+        inputs = model_inputs(batch, context, device)
         loss = model(**inputs, num_items_in_batch=num_items).loss
         loss.backward()
         total += loss.detach()
@@ -149,15 +150,23 @@ def train_step(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], c
     return total / averaged_over
 
 
-def _model_inputs(batch: dict[str, torch.Tensor], context: MeshContext, device: torch.device) -> dict:
+def model_inputs(batch: dict[str, torch.Tensor], context: MeshContext, device: torch.device) -> dict:
+    """The forward arguments of a collated micro batch: this CP rank's part of it under CP, ``position_ids`` of
+    packed sequences (transformers then masks each packed example to itself), and no KV cache (training)."""
     if context.cp_size == 1:
-        return {"input_ids": batch["input_ids"].to(device), "labels": batch["labels"].to(device)}
-    local = shard_batch_for_context_parallel(batch["input_ids"], batch["labels"], context.mesh("cp"))
+        inputs = {"input_ids": batch["input_ids"].to(device), "labels": batch["labels"].to(device)}
+        if "position_ids" in batch:
+            inputs["position_ids"] = batch["position_ids"].to(device)
+        return {**inputs, "use_cache": False}
+    local = shard_batch_for_context_parallel(
+        batch["input_ids"], batch["labels"], context.mesh("cp"), batch.get("position_ids")
+    )
     return {
         "input_ids": local["input_ids"].to(device),
         "position_ids": local["position_ids"].to(device),
         "labels": local["shift_labels"].to(device),
         "shift_labels": local["shift_labels"].to(device),
+        "use_cache": False,
     }
 
 
@@ -182,6 +191,8 @@ def run(config: RecipeConfig) -> TrainResult:
     tokenizer = AutoTokenizer.from_pretrained(config.model.path, revision=config.model.revision)
     model = _build_model(config, context)
     model.train()
+    if config.data.packing and config.recipe == "sft":
+        check_packed_attention(model, context, tolerance=_packing_tolerance(config))
     loader = _build_loader(config, tokenizer, context)
     optimizer = make_optimizer(model, train)
     scheduler = make_scheduler(optimizer, train)
@@ -223,6 +234,12 @@ def run(config: RecipeConfig) -> TrainResult:
     if config.export.dir is not None and last == train.max_steps:
         result.export_dir = str(_export(config, model, tokenizer))
     return result
+
+
+def _packing_tolerance(config: RecipeConfig) -> float:
+    """How far a packed document's logits may be from the document alone: rounding only (fp32 or bf16 compute)."""
+    reduced = config.model.dtype != "float32" or config.layout.mixed_precision == "bf16"
+    return 5e-2 if reduced else 1e-3
 
 
 def _should_save(config: RecipeConfig, step: int, last: int) -> bool:
