@@ -5,6 +5,7 @@ transformers with the trained model's logits."""
 from __future__ import annotations
 
 import pytest
+import torch
 from huggingface_hub import ModelCard
 
 from tests.cases.training import (
@@ -13,6 +14,7 @@ from tests.cases.training import (
     grad_norm_matches_plain,
     save_tiny_chat_checkpoint,
     train,
+    train_and_report,
     train_lora,
     train_with_a_crash_during_save,
 )
@@ -75,7 +77,8 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(ranks2, chat
     overrides = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=5"]
     crashed = ranks2.run(train_with_a_crash_during_save, config, overrides, 10)[0]
     assert crashed["error"] == "killed while writing a checkpoint"
-    assert crashed["entries"] == ["step_00000005", "step_00000010.partial"] and crashed["latest"] == "step_00000005"
+    assert crashed["entries"] == ["LATEST", "step_00000005", "step_00000010.partial"], crashed
+    assert crashed["latest"] == "step_00000005" and crashed["pointer"] == "step_00000005"
     resumed = ranks2.run(train, config, overrides)[0]
     assert resumed["resumed_from"] == 5 and resumed["losses"] == full
 
@@ -94,6 +97,7 @@ def test_sft_with_lora_trains_only_the_adapters_and_exports_them_merged(ranks2, 
     config = _config(tmp_path, chat_checkpoint)
     export = tmp_path / "export"
     result = ranks2.run(
+        train_and_report,
         train_lora,
         config,
         ["lora.rank=8", "lora.alpha=16", "lora.target_modules=[q_proj, v_proj, up_proj, down_proj]", "train.lr=3e-2"]
@@ -149,3 +153,42 @@ def test_bf16_mixed_precision_and_activation_checkpointing_from_the_config(ranks
     )
     bf16 = ranks2.run(train, config, ["train.max_steps=10", "layout.mixed_precision=bf16"])[0]["losses"]
     assert all(abs(a - b) < 0.05 for a, b in zip(bf16, full, strict=True)) and bf16 != full, (bf16, full)
+
+
+def test_a_resume_takes_the_schedule_of_its_config_and_says_where_it_resumed(ranks2, chat_checkpoint, tmp_path):
+    """Trained to max_steps=6, then resumed from that final checkpoint with max_steps=12 and another warmup and lr:
+    its first step uses the new schedule's learning rate at step 6, and the log names the checkpoint and layouts."""
+    from automodel.training.config import TrainSection
+    from automodel.training.optim import make_scheduler
+
+    config = _config(tmp_path, chat_checkpoint)
+    checkpoints = [f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    ranks2.run(train, config, checkpoints + ["train.max_steps=6", "train.warmup_steps=2"])
+    longer = ["train.max_steps=12", "train.warmup_steps=4", "train.lr=2e-3", "layout.tp_size=2"]
+    resumed = ranks2.run(train_and_report, config, checkpoints + longer)[0]
+    schedule = TrainSection(max_steps=12, warmup_steps=4, lr=2e-3, min_lr=3e-4)
+    factor = make_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3), schedule).lr_lambdas[0]
+    assert resumed["resumed_from"] == 6 and len(resumed["learning_rates"]) == 6
+    assert resumed["learning_rates"] == pytest.approx([2e-3 * factor(step) for step in range(6, 12)], rel=1e-12)
+    line = next(message for message in resumed["log"] if message.startswith("resuming from"))
+    assert "step_00000006 at step 6" in line and "layout saved: fsdp2 on 2 processes," in line, line
+    assert "layout now: fsdp2 on 2 processes, tp_size=2" in line, line
+
+
+def test_validation_loss_tokens_per_second_and_mfu_in_the_log(ranks2, chat_checkpoint, tmp_path):
+    """data.validation_path with eval_every_steps=5: the eval loss at 5 and 10; at the end it equals plain
+    transformers' mean token loss of the exported model on that set. tokens/s counts tokens, MFU shows with a peak."""
+    config = _config(tmp_path, chat_checkpoint)
+    overrides = [
+        f"data.validation_path={CHAT_DATA}",
+        "train.eval_every_steps=5",
+        "train.max_steps=10",
+        "train.peak_tflops=0.001",
+        f"export.dir={tmp_path / 'export'}",
+    ]
+    result = ranks2.run(train_and_report, config, overrides)[0]
+    assert sorted(result["eval_losses"]) == [5, 10], result["eval_losses"]
+    assert result["eval_losses"][10] == pytest.approx(result["reference_eval_loss"], abs=1e-5)
+    steps = [message for message in result["log"] if message.startswith("step ") and "tokens/s" in message]
+    assert len(steps) == 10 and all("| MFU " in message for message in steps), steps[:2]
+    assert any(message.startswith("step 10 | eval loss") for message in result["log"])

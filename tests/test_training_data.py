@@ -360,3 +360,47 @@ def test_loader_argument_errors():
     state = make_loader(numbered_examples(24)).state_dict()
     with pytest.raises(ValueError, match="checkpoint's loader had num_examples=24, this one has 16"):
         make_loader(examples).load_state_dict(state)
+
+
+@pytest.mark.parametrize(("saved_dp", "resumed_dp"), [(2, 4), (4, 2), (2, 1)])
+def test_a_resume_on_another_data_parallel_size_continues_with_the_same_examples(saved_dp, resumed_dp):
+    """The global order does not depend on the data-parallel size: after a resume with more or fewer ranks, the
+    global batches (all ranks' rows together) are those of the uninterrupted run: none repeated, none skipped."""
+    examples = numbered_examples(40)
+
+    def loaders(dp_size):
+        return [
+            DistributedBatchLoader(
+                examples, global_batch_size=8, micro_batch_size=1, dp_rank=r, dp_size=dp_size, seq_len=4, pad_id=0
+            )
+            for r in range(dp_size)
+        ]
+
+    def global_batches(ranks, steps):
+        return [sorted(i for loader in ranks for i in ids_of(loader.next_global_batch())) for _ in range(steps)]
+
+    uninterrupted = global_batches(loaders(saved_dp), 9)  # crosses an epoch boundary (5 steps an epoch)
+    before = loaders(saved_dp)
+    first = global_batches(before, 3)
+    state = before[0].state_dict()
+    after = loaders(resumed_dp)
+    for loader in after:
+        loader.load_state_dict(state)
+    assert first + global_batches(after, 6) == uninterrupted
+
+
+def test_flops_per_token_counts_the_matmuls_and_attention():
+    from automodel.training.metrics import flops_per_token, model_flops_utilization
+    from tests.tiny_models import build_model, tiny_config
+
+    for architecture in ("llama", "llama_tied"):
+        model = build_model(tiny_config(architecture))
+        config = model.config
+        embedding = config.vocab_size * config.hidden_size
+        total = sum(p.numel() for p in model.parameters())
+        # Untied: every parameter but the lookup table. Tied: the table counts once, as the head's matmul.
+        matmul = total - embedding if not config.tie_word_embeddings else total
+        attention = 12 * config.num_hidden_layers * config.hidden_size * 16
+        assert flops_per_token(model, seq_len=16) == 6 * matmul + attention
+    assert model_flops_utilization(1000.0, 2e9, peak_tflops=1.0, devices=2) == pytest.approx(1.0)
+    assert model_flops_utilization(1000.0, 2e9, peak_tflops=None, devices=2) is None

@@ -5,13 +5,16 @@ Layout of ``checkpoint.dir``::
 
     step_00000010/            a complete checkpoint: DCP files (model + optimizer) and trainer_state.pt
     step_00000020.partial/    being written (or left by a crash): never read, removed by the next save
+    LATEST                    the name of the newest complete checkpoint (for scripts; resume also finds it without)
 
 A checkpoint becomes visible only when rank 0 renames the finished ``.partial`` folder, after every rank wrote its
-part, so a crash mid-save leaves the previous checkpoint as the newest complete one.
+part, and then points ``LATEST`` at it (written to a temporary file and renamed over the old one), so a crash or a
+kill mid-save leaves the previous checkpoint as the newest complete one.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -24,10 +27,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["LATEST", "TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 _COMPLETE = re.compile(r"step_(\d{8})")
 _TRAINER_STATE = "trainer_state.pt"
+LATEST = "LATEST"
 
 
 @dataclass
@@ -39,10 +43,12 @@ class TrainerState:
     data: dict[str, Any]
     rng: torch.Tensor
     losses: list[float]
+    layout: dict[str, Any] | None = None  # the layout section and world size it was saved with (for the resume log)
 
 
 def latest_checkpoint(directory: str | Path | None) -> Path | None:
-    """The newest complete checkpoint in ``directory``, or ``None``."""
+    """The newest complete checkpoint in ``directory``, or ``None``: the folders are the truth (a ``LATEST`` file
+    that a kill left behind an older name cannot send a resume back)."""
     if directory is None or not Path(directory).is_dir():
         return None
     complete = [path for path in Path(directory).iterdir() if path.is_dir() and _COMPLETE.fullmatch(path.name)]
@@ -68,6 +74,7 @@ def save_checkpoint(
     dist.barrier()
     if dist.get_rank() == 0:
         partial.rename(final)  # the commit point
+        _point_latest_at(final)
         complete = sorted(
             (p for p in directory.iterdir() if _COMPLETE.fullmatch(p.name)), key=lambda p: int(p.name[5:])
         )
@@ -75,6 +82,13 @@ def save_checkpoint(
             shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+def _point_latest_at(checkpoint: Path) -> None:
+    pointer = checkpoint.parent / LATEST
+    temporary = pointer.with_name(f".{LATEST}.tmp")
+    temporary.write_text(checkpoint.name + "\n")
+    os.replace(temporary, pointer)
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:

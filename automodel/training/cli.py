@@ -2,7 +2,12 @@
 
 The config is read and validated first, against the number of processes too (a bad key or value, or a layout that
 does not fit, exits with status 2 before any process starts); then, unless already under torchrun, the command
-relaunches itself with ``torchrun --standalone --nproc-per-node N``. ``--print-config`` prints the resolved config.
+relaunches itself with torchrun: ``--standalone`` on one node, or with the rendezvous options it was given
+(``--nnodes``, ``--node-rank``, ``--rdzv-backend`` / ``--rdzv-endpoint`` / ``--rdzv-id``, ``--master-addr`` /
+``--master-port``) on several. ``--print-config`` prints the resolved config.
+
+A SIGTERM or SIGUSR1 to the command is passed on to the training processes, which save a checkpoint after their
+current step and end; the command then exits with status 0 (see ``automodel.training.preemption``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config (defaults filled in) and exit"
     )
+    nodes = parser.add_argument_group("several nodes (passed to torchrun; docs/recipes.md#several-nodes)")
+    nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes, each running this command")
+    nodes.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous with --master-addr)")
+    nodes.add_argument("--rdzv-backend", help="rendezvous backend, e.g. c10d")
+    nodes.add_argument("--rdzv-endpoint", help="rendezvous host:port, the same on every node")
+    nodes.add_argument("--rdzv-id", help="job id shared by the nodes of one run")
+    nodes.add_argument("--master-addr", help="address of the node of rank 0 (static rendezvous)")
+    nodes.add_argument("--master-port", type=int, help="port on the node of rank 0 (static rendezvous)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.lr=3e-4")
     return parser
 
@@ -43,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``automodel`` console command; returns the exit status."""
     args = _parser().parse_intermixed_args(argv)
     under_torchrun = "LOCAL_RANK" in os.environ
-    if args.nproc_per_node < 1 and not under_torchrun:
-        print("automodel: --nproc-per-node must be at least 1", file=sys.stderr)
+    if (args.nproc_per_node < 1 or args.nnodes < 1) and not under_torchrun:
+        print("automodel: --nproc-per-node and --nnodes must be at least 1", file=sys.stderr)
         return 2
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc_per_node
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc_per_node * args.nnodes
     try:
         config = load_config(args.config, args.overrides, recipe=args.recipe)
         check_world_size(config, world_size)
@@ -57,37 +70,81 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
     if not under_torchrun:
-        from .loop import prepare_model
+        return _launch(args, config)
+    return _train(config)
 
-        prepare_model(config)
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={args.nproc_per_node}",
-            "-m",
-            "automodel.training.cli",
-            args.recipe,
-            "--config",
-            args.config,
-            *args.overrides,
-        ]
-        return subprocess.call(command)
+
+def _launch(args: argparse.Namespace, config) -> int:
+    """Start torchrun with this command on every process; pass preemption signals on; its exit status."""
+    from .loop import prepare_model
+    from .preemption import forward_signals
+
+    prepare_model(config)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *_rendezvous_options(args),
+        f"--nproc-per-node={args.nproc_per_node}",
+        "-m",
+        "automodel.training.cli",
+        args.recipe,
+        "--config",
+        args.config,
+        *args.overrides,
+    ]
+    process = subprocess.Popen(command)
+    forward_signals(process.pid)
+    status = process.wait()
+    return 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + signal number
+
+
+def _rendezvous_options(args: argparse.Namespace) -> list[str]:
+    options = {
+        "--node-rank": args.node_rank,
+        "--rdzv-backend": args.rdzv_backend,
+        "--rdzv-endpoint": args.rdzv_endpoint,
+        "--rdzv-id": args.rdzv_id,
+        "--master-addr": args.master_addr,
+        "--master-port": args.master_port,
+    }
+    given = [f"{flag}={value}" for flag, value in options.items() if value is not None]
+    if args.nnodes == 1 and not given:
+        return ["--standalone"]
+    return [f"--nnodes={args.nnodes}", *given]
+
+
+def _train(config) -> int:
+    """One training process (under torchrun): run the recipe; 0, or 128 + the signal that stopped it without a
+    checkpoint."""
+    import signal
+
+    import torch.distributed as dist
+
     from .loop import run
 
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     result = run(config)
+    status = 0
     if rank == 0:
-        print(f"automodel {config.recipe}: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}", flush=True)
+        name = config.recipe
+        if result.preempted is not None:
+            saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (checkpoint.dir unset)"
+            print(
+                f"automodel {name}: stopped by {result.preempted} after step {len(result.losses)}; {saved}", flush=True
+            )
+        else:
+            print(f"automodel {name}: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}", flush=True)
         if result.export_dir:
-            print(f"automodel {config.recipe}: exported to {result.export_dir}", flush=True)
-    import torch.distributed as dist
-
+            print(f"automodel {name}: exported to {result.export_dir}", flush=True)
+    if result.preempted is not None and result.checkpoint is None:
+        status = 128 + (
+            signal.Signals[result.preempted].value if result.preempted in signal.Signals.__members__ else 15
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ class DataSection:
     path: str = ""
     packing: bool = False
     seed: int = 0
+    # Held-out data in the same format, evaluated every train.eval_every_steps and at the end (eval loss in the log).
+    validation_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ class TrainSection:
     # End this run after this many steps (with a checkpoint), e.g. to fit a job's time limit; the schedule still
     # runs to max_steps, and the next run resumes there.
     stop_after_steps: int | None = None
+    # With data.validation_path: evaluate every this many steps (0: only at the end of the run).
+    eval_every_steps: int = 0
+    # Peak dense TFLOP/s of one device (e.g. 989 for an H100 in bf16): the log then shows MFU.
+    peak_tflops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,7 @@ class RecipeConfig:
 
 # Keys holding local paths, resolved against the YAML file's folder when relative. ``model.path`` may also be a hub
 # id: it is resolved only when it starts with "." or names something that exists there.
-PATH_KEYS = ("data.path", "checkpoint.dir", "export.dir", "train.tensorboard_dir")
+PATH_KEYS = ("data.path", "data.validation_path", "checkpoint.dir", "export.dir", "train.tensorboard_dir")
 MODEL_PATH_KEY = "model.path"
 
 
@@ -350,6 +356,12 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError(f"train.max_grad_norm={train.max_grad_norm} must be > 0, or null to disable clipping.")
     if train.stop_after_steps is not None and (train.stop_after_steps < 1 or config.checkpoint.dir is None):
         raise ConfigError("train.stop_after_steps needs a value >= 1 and checkpoint.dir (the run resumes from it).")
+    if train.eval_every_steps < 0:
+        raise ConfigError(f"train.eval_every_steps={train.eval_every_steps} must be >= 0 (0: only at the end).")
+    if train.eval_every_steps and config.data.validation_path is None:
+        raise ConfigError("train.eval_every_steps is set but data.validation_path is not: say what to evaluate on.")
+    if train.peak_tflops is not None and train.peak_tflops <= 0:
+        raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be > 0 (one device's peak), or null.")
     if train.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.tensorboard_dir needs the tensorboard package: pip install tensorboard.")
     _validate_lora(config)

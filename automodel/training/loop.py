@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +21,18 @@ from transformers import AutoConfig, AutoTokenizer
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.distributed import FSDP2Config, MeshContext
 from automodel.distributed.context_parallel import shard_batch_for_context_parallel
+from automodel.distributed.runtime import log_rank_zero
+from automodel.loading.pipeline import transformers_model
 
 from .batches import DistributedBatchLoader
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import RecipeConfig
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
-from .optim import clip_grad_norm, make_optimizer, make_scheduler
+from .evaluation import ValidationSet
+from .metrics import flops_per_token, model_flops_utilization
+from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedule
 from .packing import check_packed_attention
+from .preemption import PreemptionHandler
 from .tiny_model import write_tiny_model
 
 __all__ = ["TrainResult", "build_mesh_context", "run", "train_step"]
@@ -36,12 +42,25 @@ logger = logging.getLogger("automodel.training")
 
 @dataclass
 class TrainResult:
-    """What a run did: the loss of every step it trained (resumed steps included from the checkpoint)."""
+    """What a run did: the loss of every step it trained (resumed steps included from the checkpoint), the
+    validation losses by step, the last checkpoint it wrote, and the signal that ended it early, if any."""
 
     losses: list[float] = field(default_factory=list)
     resumed_from: int = 0
     export_dir: str | None = None
     model: nn.Module | None = None
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    learning_rates: list[float] = field(default_factory=list)  # of the steps this run trained
+    checkpoint: Path | None = None
+    preempted: str | None = None  # the signal's name
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Tokens per second (padding excluded) and the MFU estimate (``None`` without ``train.peak_tflops``)."""
+
+    tokens_per_s: float
+    mfu: float | None
 
 
 def build_mesh_context(config: RecipeConfig) -> MeshContext:
@@ -183,7 +202,15 @@ def prepare_model(config: RecipeConfig) -> None:
 
 
 def run(config: RecipeConfig) -> TrainResult:
-    """Train as ``config`` says; resume from the newest complete checkpoint in ``checkpoint.dir`` if there is one."""
+    """Train as ``config`` says; resume from the newest complete checkpoint in ``checkpoint.dir`` if there is one.
+
+    A SIGTERM or SIGUSR1 (to any rank, or forwarded by the ``automodel`` command or torchrun) ends the run after the
+    current step with a complete checkpoint (``result.preempted``); a second one stops at once."""
+    with PreemptionHandler() as preemption:
+        return _run(config, preemption)
+
+
+def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     train = config.train
     context = build_mesh_context(config)
     prepare_model(config)
@@ -194,17 +221,30 @@ def run(config: RecipeConfig) -> TrainResult:
     if config.data.packing and config.recipe == "sft":
         check_packed_attention(model, context, tolerance=_packing_tolerance(config))
     loader = _build_loader(config, tokenizer, context)
+    validation = _validation_set(config, tokenizer)
     optimizer = make_optimizer(model, train)
     scheduler = make_scheduler(optimizer, train)
     result = TrainResult()
     resume = latest_checkpoint(config.checkpoint.dir)
     if resume is not None:
         state = load_checkpoint(resume, model, optimizer)
-        scheduler.load_state_dict(state.scheduler)
+        lr = resume_schedule(optimizer, scheduler, train, state.step)
         loader.load_state_dict(state.data)
         torch.set_rng_state(state.rng)
         result.losses, result.resumed_from = list(state.losses), state.step
+        log_rank_zero(
+            logger,
+            "resuming from %s at step %d (layout saved: %s, layout now: %s); learning rate %.3e from this config's "
+            "schedule",
+            resume,
+            state.step,
+            _describe_layout(state.layout),
+            _describe_layout(_layout_of(config)),
+            lr,
+        )
     writer = _tensorboard(config)
+    device = next(model.parameters()).device
+    flops = flops_per_token(transformers_model(model), train.seq_len)
     is_main = dist.get_rank() == 0
     last = train.max_steps
     if train.stop_after_steps is not None:
@@ -219,21 +259,87 @@ def run(config: RecipeConfig) -> TrainResult:
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
+        tokens, stop = _step_facts(micro_batches, preemption, context, device)
         seconds = time.perf_counter() - start
         result.losses.append(loss.item())
-        tokens = train.global_batch_size * train.seq_len
-        _log(step + 1, result.losses[-1], lr, norm.item(), tokens / seconds, seconds, bar, writer, train.log_every)
-        if _should_save(config, step + 1, last):
+        result.learning_rates.append(lr)
+        throughput = Throughput(
+            tokens / seconds, model_flops_utilization(tokens / seconds, flops, train.peak_tflops, dist.get_world_size())
+        )
+        _log(step + 1, result.losses[-1], lr, norm.item(), throughput, seconds, bar, writer, train.log_every)
+        if _should_save(config, step + 1, last) or (stop and config.checkpoint.dir is not None):
             state = TrainerState(
-                step + 1, scheduler.state_dict(), loader.state_dict(), torch.get_rng_state(), result.losses
+                step + 1,
+                scheduler.state_dict(),
+                loader.state_dict(),
+                torch.get_rng_state(),
+                result.losses,
+                _layout_of(config),
             )
-            save_checkpoint(config.checkpoint.dir, model, optimizer, state, keep=config.checkpoint.keep)
+            result.checkpoint = save_checkpoint(
+                config.checkpoint.dir, model, optimizer, state, keep=config.checkpoint.keep
+            )
+        if validation is not None and (stop or _should_evaluate(train, step + 1, last)):
+            result.eval_losses[step + 1] = _evaluate(validation, model, context, step + 1, writer)
+        if stop:
+            result.preempted = stop
+            _log_preemption(result, step + 1)
+            break
     if writer is not None:
         writer.close()
     result.model = model
-    if config.export.dir is not None and last == train.max_steps:
+    if config.export.dir is not None and last == train.max_steps and result.preempted is None:
         result.export_dir = str(_export(config, model, tokenizer))
     return result
+
+
+def _step_facts(
+    micro_batches: list[dict[str, torch.Tensor]], preemption: PreemptionHandler, context: MeshContext, device
+) -> tuple[int, str | None]:
+    """Collective, one all-reduce: the step's tokens without padding over all data-parallel ranks, and the name of
+    the preemption signal any rank got (``None``: none did)."""
+    replicas = dist.get_world_size() / context.dp_size  # ranks holding the same batch (TP, CP)
+    mine = sum(int(batch["num_tokens"]) for batch in micro_batches)
+    signum = 0 if preemption.received is None else int(preemption.received)
+    facts = torch.tensor([mine / replicas, signum, 1.0 if signum else 0.0], dtype=torch.float64).to(device)
+    dist.all_reduce(facts)
+    tokens, signums, receivers = round(facts[0].item()), facts[1].item(), facts[2].item()
+    if not receivers:
+        return tokens, None
+    try:
+        return tokens, signal.Signals(round(signums / receivers)).name  # the signal the receiving ranks got
+    except ValueError:  # different signals on different ranks
+        return tokens, "a preemption signal"
+
+
+def _layout_of(config: RecipeConfig) -> dict:
+    """What the resume log compares: the layout section and the number of processes."""
+    return {**config.to_dict()["layout"], "world_size": dist.get_world_size()}
+
+
+def _describe_layout(layout: dict | None) -> str:
+    if layout is None:
+        return "not recorded"
+    defaults = {"dp_replicate_size": 1, "tp_size": 1, "cp_size": 1, "ep_size": 1}
+    shown = [f"{layout.get('strategy')} on {layout.get('world_size')} processes"]
+    shown += [f"{key}={value}" for key, value in layout.items() if key in defaults and value != defaults[key]]
+    shown += [key for key in ("sequence_parallel",) if layout.get(key)]
+    return ", ".join(shown)
+
+
+def _log_preemption(result: TrainResult, step: int) -> None:
+    if result.checkpoint is not None:
+        log_rank_zero(
+            logger,
+            "%s: stopped after step %d with checkpoint %s; run the same command to resume.",
+            result.preempted,
+            step,
+            result.checkpoint,
+        )
+    else:
+        log_rank_zero(
+            logger, "%s: stopped after step %d without a checkpoint (no checkpoint.dir).", result.preempted, step
+        )
 
 
 def _packing_tolerance(config: RecipeConfig) -> float:
@@ -250,22 +356,51 @@ def _should_save(config: RecipeConfig, step: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _log(step, loss, lr, norm, tokens_per_s, seconds, bar, writer, every) -> None:
+def _log(step, loss, lr, norm, throughput: Throughput, seconds, bar, writer, every) -> None:
     if dist.get_rank() != 0 or step % every:
         return
     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+    mfu = f" | MFU {throughput.mfu:.1%}" if throughput.mfu is not None else ""
     logger.info(
-        "step %d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s | %.2f s",
+        "step %d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s%s | %.2f s",
         step,
         loss,
         lr,
         norm,
-        tokens_per_s,
+        throughput.tokens_per_s,
+        mfu,
         seconds,
     )
     if writer is not None:
-        for name, value in (("loss", loss), ("lr", lr), ("grad_norm", norm), ("tokens_per_s", tokens_per_s)):
+        scalars = {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": throughput.tokens_per_s}
+        if throughput.mfu is not None:
+            scalars["mfu"] = throughput.mfu
+        for name, value in scalars.items():
             writer.add_scalar(f"train/{name}", value, step)
+
+
+def _should_evaluate(train, step: int, last: int) -> bool:
+    return step == last or (train.eval_every_steps > 0 and step % train.eval_every_steps == 0)
+
+
+def _evaluate(validation: ValidationSet, model: nn.Module, context: MeshContext, step: int, writer) -> float:
+    loss = validation.loss(model, context, model_inputs)
+    log_rank_zero(logger, "step %d | eval loss %.4f", step, loss)
+    if writer is not None:
+        writer.add_scalar("eval/loss", loss, step)
+    return loss
+
+
+def _validation_set(config: RecipeConfig, tokenizer) -> ValidationSet | None:
+    data, train = config.data, config.train
+    if data.validation_path is None:
+        return None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if config.recipe == "pretrain":
+        examples = tokenize_pretraining(load_texts(data.validation_path), tokenizer, train.seq_len)
+    else:
+        examples = tokenize_sft(load_records(data.validation_path), tokenizer, train.seq_len)
+    return ValidationSet(examples, micro_batch_size=train.micro_batch_size, seq_len=train.seq_len, pad_id=pad_id)
 
 
 def _tensorboard(config: RecipeConfig):

@@ -12,7 +12,7 @@ from automodel.distributed.grad_clipping import clip_grad_norm_, total_grad_norm
 
 from .config import TrainSection
 
-__all__ = ["clip_grad_norm", "grad_norm", "make_optimizer", "make_scheduler"]
+__all__ = ["clip_grad_norm", "grad_norm", "make_optimizer", "make_scheduler", "resume_schedule"]
 
 
 def make_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.AdamW:
@@ -21,7 +21,10 @@ def make_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.AdamW:
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": train.weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
     # foreach=False: the per-parameter loop treats DTensors on different meshes (TP, FSDP, EP) alike.
     return torch.optim.AdamW(
         [group for group in groups if group["params"]], lr=train.lr, betas=train.betas, foreach=False
@@ -41,6 +44,25 @@ def make_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection) -> tor
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def resume_schedule(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, train: TrainSection, step: int
+) -> float:
+    """Continue at ``step`` on the schedule and hyperparameters of the current config, whatever the checkpoint's
+    were: a resumed run with another ``max_steps``, ``warmup_steps``, ``lr``, ``min_lr``, ``betas`` or
+    ``weight_decay`` takes them from its first step (the optimizer's moments are kept). With an unchanged config the
+    values are bitwise those of an uninterrupted run. Returns the learning rate of ``step``."""
+    factor = scheduler.lr_lambdas[0]
+    scheduler.base_lrs = [train.lr for _ in optimizer.param_groups]
+    scheduler.last_epoch = step
+    for group in optimizer.param_groups:
+        group["initial_lr"] = train.lr
+        group["lr"] = train.lr * factor(step)
+        group["betas"] = train.betas
+        group["weight_decay"] = train.weight_decay if group.get("name", "decay") == "decay" else 0.0
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return optimizer.param_groups[0]["lr"]
 
 
 def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:

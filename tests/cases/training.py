@@ -114,6 +114,7 @@ def train_with_a_crash_during_save(config_path: str, overrides: list[str], crash
         "error": error,
         "entries": sorted(path.name for path in directory.iterdir()),
         "latest": checkpoint.latest_checkpoint(directory).name,
+        "pointer": (directory / checkpoint.LATEST).read_text().strip(),
     }
 
 
@@ -170,3 +171,47 @@ def grad_norm_matches_plain(layout: dict[str, Any]) -> dict[str, float]:
         for n, p in model.named_parameters()
     )
     return {"norm": norm.item(), "expected": expected.item(), "clipped": clipped}
+
+
+def train_and_report(config_path: str, overrides: list[str]) -> dict[str, Any]:
+    """Run a recipe; its losses, learning rates, validation losses and the training log (rank 0), and, with a
+    validation set and an export, plain transformers' mean token loss of the exported model on that set."""
+    import logging
+
+    from automodel.training.data import load_records, tokenize_sft
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    training_logger = logging.getLogger("automodel.training")
+    training_logger.addHandler(handler)
+    training_logger.setLevel(logging.INFO)
+    try:
+        config = load_config(config_path, overrides)
+        result = run(config)
+    finally:
+        training_logger.removeHandler(handler)
+    facts = {
+        "losses": result.losses,
+        "learning_rates": result.learning_rates,
+        "eval_losses": result.eval_losses,
+        "log": records,
+        "resumed_from": result.resumed_from,
+    }
+    if dist.get_rank() == 0 and result.export_dir and config.data.validation_path:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(result.export_dir)
+        exported = AutoModelForCausalLM.from_pretrained(result.export_dir).eval()
+        examples = tokenize_sft(load_records(config.data.validation_path), tokenizer, config.train.seq_len)
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for example in examples:
+                ids = torch.tensor([example.input_ids])
+                labels = torch.tensor([example.labels])
+                targets = int((labels[:, 1:] != -100).sum())
+                if targets:
+                    total += exported(input_ids=ids, labels=labels).loss.item() * targets
+                    count += targets
+        facts["reference_eval_loss"] = total / count
+    return facts

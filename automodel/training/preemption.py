@@ -1,0 +1,91 @@
+"""Preemption: a scheduler's SIGTERM or SIGUSR1 ends the run at the next step boundary with a complete checkpoint.
+
+Any process may get the signal: the ``automodel`` command (it forwards it to the training processes), torchrun (it
+forwards it to its workers), or a single rank. The signal only sets a flag; the ranks agree on it after every step
+(one all-reduce of a flag), save a checkpoint together and end with status 0. A second signal stops the process at
+once: a save it interrupts never becomes visible (see ``automodel.training.checkpoint``), so the previous complete
+checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PREEMPTION_SIGNALS", "PreemptionHandler", "forward_signals"]
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionHandler:
+    """Installs the signal handlers for the run (``with PreemptionHandler() as preemption:``) and restores the old
+    ones after."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+        self.signals = signals
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> PreemptionHandler:
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            # Only async-signal-safe calls here: write and _exit.
+            os.write(2, f"automodel: second {name}: stopping now, without a checkpoint\n".encode())
+            os._exit(128 + signum)
+        self.received = signal.Signals(signum)
+        os.write(2, f"automodel: {name} received: saving a checkpoint after this step, then exiting\n".encode())
+
+    def agreed(self, device: torch.device) -> bool:
+        """Collective: whether any rank got a signal (the same answer on every rank)."""
+        flag = torch.tensor([0 if self.received is None else 1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def forward_signals(child_pid: int, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+    """In the launching command: pass each of ``signals`` on to the training processes (the children of the
+    torchrun process ``child_pid``), so that they save and end normally and torchrun, seeing clean exits, ends with
+    status 0. Where the children cannot be listed (no ``/proc``), the signal goes to torchrun, which forwards it."""
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        targets = _children(child_pid) or [child_pid]
+        for pid in targets:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for signum in signals:
+        signal.signal(signum, handle)
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (Linux ``/proc``), or ``[]``."""
+    if not sys.platform.startswith("linux"):
+        return []
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # fields after the command: state, ppid, ...
+            children.append(int(entry))
+    return children

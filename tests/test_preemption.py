@@ -1,0 +1,80 @@
+"""Preemption through the ``automodel`` command, as a scheduler delivers it: a SIGTERM to the command or to one rank
+ends the run after the current step with a complete checkpoint (status 0, no process left behind), and resuming
+reproduces the uninterrupted losses bitwise; a second signal during that save leaves the previous checkpoint the
+newest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tests.recipe_runs import STEPS, Command, alive, losses, make_project
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return make_project(tmp_path_factory.mktemp("preemption"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(project):
+    checkpoints = project / "uninterrupted"
+    status, stdout = Command(project, checkpoints).finish()
+    assert status == 0, stdout
+    return losses(checkpoints / f"step_{STEPS:08d}")
+
+
+def _resume_and_compare(project: Path, checkpoints: Path, uninterrupted: list[float]) -> None:
+    status, stdout = Command(project, checkpoints, overrides=("checkpoint.keep=10",)).finish()
+    assert status == 0 and f"automodel sft: {STEPS} steps" in stdout, stdout
+    assert losses(checkpoints / f"step_{STEPS:08d}") == uninterrupted
+
+
+@pytest.mark.parametrize("target", ["command", "one_rank"])
+def test_sigterm_saves_after_the_step_exits_0_and_resumes_bitwise(project, uninterrupted, tmp_path, target):
+    checkpoints = tmp_path / "checkpoints"
+    command = Command(project, checkpoints)
+    command.wait_for("step 3 |")
+    workers = command.workers()
+    assert len(workers) == 2, workers
+    os.kill(command.process.pid if target == "command" else workers[1], signal.SIGTERM)
+    status, stdout = command.finish()
+    assert status == 0, "".join(command.lines[-30:])
+    assert "automodel sft: stopped by SIGTERM after step" in stdout and "checkpoint" in stdout, stdout
+    assert alive(workers) == [], "no training process outlives the command"
+    saved = sorted(path.name for path in checkpoints.glob("step_*"))
+    assert len(saved) == 1 and (checkpoints / "LATEST").read_text().strip() == saved[0], saved
+    stopped_at = int(saved[0][5:])
+    assert 3 <= stopped_at < STEPS and losses(checkpoints / saved[0]) == uninterrupted[:stopped_at]
+    _resume_and_compare(project, checkpoints, uninterrupted)
+
+
+def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_newest(project, uninterrupted, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(project / "hooks"), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "AUTOMODEL_TEST_SAVE_DELAY": "3",
+    }
+    # A periodic checkpoint first (step 4), then the preemption save, interrupted.
+    command = Command(project, checkpoints, env, overrides=("checkpoint.every_steps=4",))
+    command.wait_for("step 5 |")
+    os.kill(command.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    while not list(checkpoints.glob("*.partial")):
+        assert time.monotonic() < deadline and command.process.poll() is None, "".join(command.lines[-30:])
+        time.sleep(0.01)
+    os.kill(command.process.pid, signal.SIGTERM)
+    status, _ = command.finish()
+    assert status != 0, "the interrupted save is no success"
+    assert any("second SIGTERM: stopping now" in line for line in command.lines), "".join(command.lines[-30:])
+    complete = sorted(path.name for path in checkpoints.glob("step_????????"))
+    assert complete == ["step_00000004"], complete
+    assert (checkpoints / "LATEST").read_text().strip() == "step_00000004"
+    _resume_and_compare(project, checkpoints, uninterrupted)
