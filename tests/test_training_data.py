@@ -402,5 +402,13 @@ def test_flops_per_token_counts_the_matmuls_and_attention():
         matmul = total - embedding if not config.tie_word_embeddings else total
         attention = 12 * config.num_hidden_layers * config.hidden_size * 16
         assert flops_per_token(model, seq_len=16) == 6 * matmul + attention
+    # Routed experts count at the share a token uses: 2 of 4 experts.
+    model = build_model(tiny_config("qwen3_moe"))
+    config = model.config
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    assert experts > 0
+    matmul = sum(p.numel() for p in model.parameters()) - config.vocab_size * config.hidden_size - experts / 2
+    attention = 12 * config.num_hidden_layers * config.hidden_size * 16
+    assert flops_per_token(model, seq_len=16) == 6 * matmul + attention
     assert model_flops_utilization(1000.0, 2e9, peak_tflops=1.0, devices=2) == pytest.approx(1.0)
     assert model_flops_utilization(1000.0, 2e9, peak_tflops=None, devices=2) is None

@@ -30,7 +30,7 @@ def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama"
             record.get("completion", ""),
         ]
     tokenizer = word_level_tokenizer(texts)
-    config = tiny_config(
+    config = _tiny_config(
         architecture,
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -41,6 +41,18 @@ def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama"
     build_model(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def _tiny_config(architecture: str, **values: Any):
+    """The tiny config of a zoo architecture (``tests.tiny_models``) or of a sidecar model (``nemotron_h``,
+    ``qwen3_5``: the configs their sidecar tests use)."""
+    if architecture == "nemotron_h":
+        from tests.cases.sidecar_nemotron_h import tiny_config as sidecar_config
+    elif architecture == "qwen3_5":
+        from tests.cases.sidecar_qwen3_5 import tiny_config as sidecar_config
+    else:
+        return tiny_config(architecture, **values)
+    return sidecar_config(**values)
 
 
 def train(config_path: str, overrides: list[str]) -> dict[str, Any]:
@@ -215,3 +227,24 @@ def train_and_report(config_path: str, overrides: list[str]) -> dict[str, Any]:
                     count += targets
         facts["reference_eval_loss"] = total / count
     return facts
+
+
+def reloaded_export_logits(export_dir: str, layout: dict[str, Any]) -> float | None:
+    """Max |logits(the export loaded by ``from_pretrained`` parallelized for ``layout``) - logits(the export in plain
+    transformers)| on rank 0's batch."""
+    from transformers import AutoModelForCausalLM
+
+    from automodel import MeshContext, NeMoAutoModelForCausalLM
+
+    model = NeMoAutoModelForCausalLM.from_pretrained(
+        export_dir, mesh_context=MeshContext.build(**layout), dtype=torch.float32
+    ).eval()
+    batch = torch.arange(1, 17).reshape(2, 8) % model.config.vocab_size
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits
+        logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float()
+    if dist.get_rank() != 0:
+        return None
+    plain = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return (plain(input_ids=batch).logits.float() - logits).abs().max().item()
