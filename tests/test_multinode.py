@@ -9,7 +9,7 @@ import pytest
 
 from tests.recipe_runs import STEPS, Command, losses, make_project
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # whole `automodel` launches: ~30 s each
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import REPO
 from tests.recipe_runs import STEPS, Command, alive, losses, make_project
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # whole `automodel` launches: ~30 s each
 
 
 @pytest.fixture(scope="module")
