@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from automodel.training.preemption import DUPLICATE_WINDOW_S
 from tests.conftest import REPO
-from tests.recipe_runs import STEPS, Command, alive, losses, make_project
+from tests.recipe_runs import STEPS, Command, alive, children, losses, make_project
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # whole `automodel` launches: ~30 s each
 
@@ -37,14 +38,22 @@ def _resume_and_compare(project: Path, checkpoints: Path, uninterrupted: list[fl
     assert losses(checkpoints / f"step_{STEPS:08d}") == uninterrupted
 
 
-@pytest.mark.parametrize("target", ["command", "one_rank"])
+@pytest.mark.parametrize("target", ["command", "one_rank", "every_process"])
 def test_sigterm_saves_after_the_step_exits_0_and_resumes_bitwise(project, uninterrupted, tmp_path, target):
+    """``every_process``: as SLURM delivers it, to every process of the job step at once (the command, torchrun and
+    both workers), which the workers then also get forwarded: one notice, one save."""
     checkpoints = tmp_path / "checkpoints"
     command = Command(project, checkpoints)
     command.wait_for("step 3 |")
     workers = command.workers()
     assert len(workers) == 2, workers
-    os.kill(command.process.pid if target == "command" else workers[1], signal.SIGTERM)
+    targets = {
+        "command": [command.process.pid],
+        "one_rank": [workers[1]],
+        "every_process": [command.process.pid, *children(command.process.pid), *workers],
+    }[target]
+    for pid in targets:
+        os.kill(pid, signal.SIGTERM)
     status, stdout = command.finish()
     assert status == 0, "".join(command.lines[-30:])
     assert "automodel sft: stopped by SIGTERM after step" in stdout and "checkpoint" in stdout, stdout
@@ -60,16 +69,20 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_newest(p
     checkpoints = tmp_path / "checkpoints"
     env = {
         "PYTHONPATH": os.pathsep.join([str(project / "hooks"), str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "AUTOMODEL_TEST_SAVE_DELAY": "3",
+        "AUTOMODEL_TEST_SAVE_DELAY": str(3 * DUPLICATE_WINDOW_S),
     }
     # A periodic checkpoint first (step 4), then the preemption save, interrupted.
     command = Command(project, checkpoints, env, overrides=("checkpoint.every_steps=4",))
     command.wait_for("step 5 |")
     os.kill(command.process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 120
+    first = time.monotonic()
+    deadline = first + 120
     while not list(checkpoints.glob("*.partial")):
         assert time.monotonic() < deadline and command.process.poll() is None, "".join(command.lines[-30:])
         time.sleep(0.01)
+    # Past the window in which a signal counts as a copy of the first; the slowed save is still running.
+    time.sleep(max(0.0, first + 1.5 * DUPLICATE_WINDOW_S - time.monotonic()))
+    assert [p.name for p in checkpoints.glob("step_????????")] == ["step_00000004"], "the save must still be running"
     os.kill(command.process.pid, signal.SIGTERM)
     status, _ = command.finish()
     assert status != 0, "the interrupted save is no success"

@@ -77,13 +77,15 @@ def main(argv: list[str] | None = None) -> int:
 def _launch(args: argparse.Namespace, config) -> int:
     """Start torchrun with this command on every process; pass preemption signals on; its exit status."""
     from .loop import prepare_model
-    from .preemption import forward_signals
+    from .preemption import forward_signals, launcher_settings
 
     prepare_model(config)
+    torchrun_options, preexec = launcher_settings()
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        *torchrun_options,
         *_rendezvous_options(args),
         f"--nproc-per-node={args.nproc_per_node}",
         "-m",
@@ -93,7 +95,7 @@ def _launch(args: argparse.Namespace, config) -> int:
         args.config,
         *args.overrides,
     ]
-    process = subprocess.Popen(command)
+    process = subprocess.Popen(command, preexec_fn=preexec)  # no threads yet
     forward_signals(process.pid)
     status = process.wait()
     return 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + signal number
@@ -122,7 +124,9 @@ def _train(config) -> int:
     import torch.distributed as dist
 
     from .loop import run
+    from .preemption import restore_default_handlers
 
+    restore_default_handlers()
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     result = run(config)

@@ -2,9 +2,12 @@
 
 Any process may get the signal: the ``automodel`` command (it forwards it to the training processes), torchrun (it
 forwards it to its workers), or a single rank. The signal only sets a flag; the ranks agree on it after every step
-(one all-reduce of a flag), save a checkpoint together and end with status 0. A second signal stops the process at
-once: a save it interrupts never becomes visible (see ``automodel.training.checkpoint``), so the previous complete
-checkpoint stays the newest.
+(one all-reduce of a flag), save a checkpoint together and end with status 0.
+
+Schedulers often deliver one notice several times: SLURM signals every process of the job step, and the launcher
+forwards it too. Signals within ``DUPLICATE_WINDOW_S`` of the first are that same notice. A signal after that stops the
+process at once: a save it interrupts never becomes visible (see ``automodel.training.checkpoint``), so the previous
+complete checkpoint stays the newest.
 """
 
 from __future__ import annotations
@@ -12,14 +15,25 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PREEMPTION_SIGNALS", "PreemptionHandler", "forward_signals"]
+__all__ = [
+    "DUPLICATE_WINDOW_S",
+    "PREEMPTION_SIGNALS",
+    "PreemptionHandler",
+    "forward_signals",
+    "launcher_settings",
+    "restore_default_handlers",
+]
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Copies of one notice (from the scheduler, torchrun and the command) arrive within milliseconds of each other.
+DUPLICATE_WINDOW_S = 2.0
 
 
 class PreemptionHandler:
@@ -29,6 +43,7 @@ class PreemptionHandler:
     def __init__(self, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
         self.signals = signals
         self.received: signal.Signals | None = None
+        self._received_at = 0.0
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> PreemptionHandler:
@@ -43,10 +58,12 @@ class PreemptionHandler:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
-            # Only async-signal-safe calls here: write and _exit.
+            if time.monotonic() - self._received_at < DUPLICATE_WINDOW_S:
+                return  # the same notice again, by another route
             os.write(2, f"automodel: second {name}: stopping now, without a checkpoint\n".encode())
             os._exit(128 + signum)
         self.received = signal.Signals(signum)
+        self._received_at = time.monotonic()
         os.write(2, f"automodel: {name} received: saving a checkpoint after this step, then exiting\n".encode())
 
     def agreed(self, device: torch.device) -> bool:
@@ -71,6 +88,27 @@ def forward_signals(child_pid: int, signals: tuple[signal.Signals, ...] = PREEMP
 
     for signum in signals:
         signal.signal(signum, handle)
+
+
+def launcher_settings() -> tuple[list[str], Callable[[], None] | None]:
+    """The torchrun options and ``preexec_fn`` for the torchrun that ``forward_signals`` serves: torchrun leaves
+    SIGTERM and SIGUSR1 to the command. By default it would answer SIGTERM by killing its workers 30 s later, whatever
+    they are saving, and die on SIGUSR1. Where the workers cannot be listed, torchrun keeps its own handling."""
+    if not sys.platform.startswith("linux"):
+        return [], None
+
+    def ignore_preemption_signals() -> None:
+        for signum in PREEMPTION_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+
+    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"], ignore_preemption_signals
+
+
+def restore_default_handlers() -> None:
+    """In a training process: the default actions back (``launcher_settings`` made the launcher ignore the signals,
+    and its children inherit that) until the run installs its ``PreemptionHandler``."""
+    for signum in PREEMPTION_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def _children(pid: int) -> list[int]:
