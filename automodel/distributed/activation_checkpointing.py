@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
     noop_context_fn,
 )
+
+from automodel._compat.torch import SDPA_KERNEL_OPS, TorchDispatchMode, tree_map_only
 
 from .model_structure import decoder_layers
 
@@ -40,9 +40,7 @@ _SAVED_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten.baddbmm.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    *SDPA_KERNEL_OPS,
 }
 # The ops that make routing decisions (transformers' MoE routers all select experts with top-k).
 _ROUTING_OPS = {_aten.topk.default}
