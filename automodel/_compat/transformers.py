@@ -14,6 +14,7 @@ hook. They are the model-author conventions transformers documents for adding a 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "get_model_conversion_mapping",
     "get_parameter_plan",
     "guard_torch_init_functions",
+    "install_expert_dispatch",
     "local_dtensor_params",
     "mark_initialized",
     "remove_tied_weights_from_state_dict",
@@ -85,6 +87,20 @@ TensorParallelLayer = _transformers(f"{_TENSOR_PARALLEL}.TensorParallelLayer", p
 EpDispatchExpertsParallel = _transformers(
     "transformers.distributed.expert_parallel.EpDispatchExpertsParallel", purpose="expert parallelism"
 )
+
+
+def install_expert_dispatch(style: Any, module: nn.Module, ep_mesh: Any, tp_mesh: Any) -> None:
+    """Install the all-to-all token dispatch of an ``EpDispatchExpertsParallel`` style on a routed-experts module.
+
+    Shim: 5.23 added ``ep_implementation`` (a registry of dispatchers; ``"all_to_all"`` is the one automodel uses);
+    5.22's ``install_forward`` has no such argument and always dispatches with all-to-all.
+    """
+    if "ep_implementation" in inspect.signature(style.install_forward).parameters:
+        style.install_forward(module, ep_mesh=ep_mesh, tp_mesh=tp_mesh, ep_implementation="all_to_all")
+    else:
+        style.install_forward(module, ep_mesh=ep_mesh, tp_mesh=tp_mesh)
+
+
 # Identity forward / summed backward, and summed forward / identity backward, over a process group (the autograd
 # functions behind the TP styles' partial sums). Known: 5.22.0 - 5.24.0.
 all_reduce_backward = _transformers(f"{_PARALLEL_UTILS}._AllReduceBackward", purpose="TP gradient sums").apply
