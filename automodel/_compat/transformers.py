@@ -24,6 +24,7 @@ from .versions import private_symbol
 
 __all__ = [
     "ALL_PARALLEL_STYLES",
+    "CACHE_ARGUMENTS",
     "AllReduceParallel",
     "ColwiseParallel",
     "Concatenate",
@@ -121,6 +122,12 @@ replace_layer_number_by_wildcard = _transformers(
     f"{_TENSOR_PARALLEL}.replace_layer_number_by_wildcard",
     purpose="matching TP plan keys",
 )
+
+# --- Model-code conventions (automodel.distributed.activation_checkpointing) ------------------------------------------
+
+# The keyword names transformers' layers, attention and mixer modules take their cache under; a checkpointed module
+# runs without it. Shim: Mamba mixers (Nemotron-H ...) called it ``cache_params`` until 5.24 renamed it ``cache``.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
 
 # --- Checkpoint conversion mapping (automodel.loading.key_mapping, export; auto_model) --------------------------------
 

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import (
 )
 
 from automodel._compat.torch import SDPA_KERNEL_OPS, TorchDispatchMode, tree_map_only
+from automodel._compat.transformers import CACHE_ARGUMENTS
 
 from .model_structure import decoder_layers
 
@@ -44,10 +45,6 @@ _SAVED_OPS = {
 }
 # The ops that make routing decisions (transformers' MoE routers all select experts with top-k).
 _ROUTING_OPS = {_aten.topk.default}
-
-
-# transformers' names for the KV cache argument of layers and attention modules.
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def selective_checkpoint_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -136,7 +133,7 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False, replay_rout
             return inner(*args, **kwargs)
         # The backward replay would write the KV cache a second time (as transformers' own checkpointing layer
         # knows): a checkpointed module runs without one.
-        for name in _CACHE_ARGUMENTS:
+        for name in CACHE_ARGUMENTS:
             if kwargs.get(name) is not None:
                 kwargs[name] = None
         if kwargs.get("use_cache"):
