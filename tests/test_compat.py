@@ -99,7 +99,7 @@ def test_moved_symbol_is_found_at_its_older_location() -> None:
     assert found is compat_transformers.ALL_PARALLEL_STYLES
 
 
-def test_plan_lookup_shim_matches_transformers() -> None:
+def test_plan_lookup_matches_transformers() -> None:
     plan = {"model.layers.*.self_attn.q_proj": "colwise"}
     assert compat_transformers.replace_layer_number_by_wildcard("model.layers.12.mlp") == "model.layers.*.mlp"
     assert compat_transformers.get_parameter_plan("model.layers.3.self_attn.q_proj.weight", plan) == "colwise"

@@ -4,8 +4,10 @@ transformers documents its top-level names and the model classes; the modules be
 internals, ``core_model_loading``, ``conversion_mapping``, ``modeling_utils`` helpers) and the ``_``-prefixed methods
 are internals that change between releases. "Known" gives the releases a symbol was checked in: from the oldest
 release checked (5.0.0) or the one it appeared in, to the newest tested one. The tested range is
-``TESTED_RANGES["transformers"]`` (5.22.0 to 5.24.0); 5.22 is where ``transformers.distributed`` gained expert
-parallelism and the style registry (``parallel_utils``) that the TP and EP paths build on.
+``TESTED_RANGES["transformers"]`` (5.23.0 to 5.24.0). It starts at 5.23: in 5.22 the Gemma 4 and DiffusionGemma
+configs still route experts with the ``ep_router`` / ``moe_tp_experts`` plan rather than the ``ep_dispatch_experts``
+all-to-all style the EP path builds on (and the plan helpers lived in ``tensor_parallel``, the EP dispatch had no
+``ep_implementation``); before 5.22 ``transformers.distributed`` had no expert parallelism at all.
 
 Not wrapped, on purpose: the attributes a model class declares for transformers (``_no_split_modules``, ``_tp_plan``,
 ``_keep_in_fp32_modules(_strict)``, ``_keys_to_ignore_on_*``, ``_tied_weights_keys``) and its ``_init_weights``
@@ -14,7 +16,6 @@ hook. They are the model-author conventions transformers documents for adding a 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -48,7 +49,6 @@ __all__ = [
     "get_model_conversion_mapping",
     "get_parameter_plan",
     "guard_torch_init_functions",
-    "install_expert_dispatch",
     "local_dtensor_params",
     "mark_initialized",
     "remove_tied_weights_from_state_dict",
@@ -84,22 +84,11 @@ ReplicatedWithGradAllReduce = _transformers(
 RowwiseParallel = _transformers(f"{_TENSOR_PARALLEL}.RowwiseParallel", purpose="the 'rowwise' TP style")
 SequenceParallel = _transformers(f"{_TENSOR_PARALLEL}.SequenceParallel", purpose="the 'sequence_parallel' TP style")
 TensorParallelLayer = _transformers(f"{_TENSOR_PARALLEL}.TensorParallelLayer", purpose="the base of every TP style")
-# The all-to-all expert dispatch style of the models' EP plans. Known: 5.22.0 - 5.24.0.
+# The all-to-all expert dispatch style of the models' EP plans; installed with ep_implementation="all_to_all".
+# Known: 5.22.0 - 5.24.0 (ep_implementation since 5.23).
 EpDispatchExpertsParallel = _transformers(
     "transformers.distributed.expert_parallel.EpDispatchExpertsParallel", purpose="expert parallelism"
 )
-
-
-def install_expert_dispatch(style: Any, module: nn.Module, ep_mesh: Any, tp_mesh: Any) -> None:
-    """Install the all-to-all token dispatch of an ``EpDispatchExpertsParallel`` style on a routed-experts module.
-
-    Shim: 5.23 added ``ep_implementation`` (a registry of dispatchers; ``"all_to_all"`` is the one automodel uses);
-    5.22's ``install_forward`` has no such argument and always dispatches with all-to-all.
-    """
-    if "ep_implementation" in inspect.signature(style.install_forward).parameters:
-        style.install_forward(module, ep_mesh=ep_mesh, tp_mesh=tp_mesh, ep_implementation="all_to_all")
-    else:
-        style.install_forward(module, ep_mesh=ep_mesh, tp_mesh=tp_mesh)
 
 
 # Identity forward / summed backward, and summed forward / identity backward, over a process group (the autograd
@@ -112,15 +101,10 @@ local_dtensor_params = _transformers(
     f"{_PARALLEL_UTILS}._use_local_dtensor_params", purpose="running TP modules on local shards"
 )
 # Plan lookup: the style a plan gives a parameter or module name, and a name with its layer numbers as wildcards.
-# Shim: both moved from tensor_parallel to parallel_utils in 5.23. Known: tensor_parallel 5.22.x, parallel_utils
-# 5.23.0 - 5.24.0.
-get_parameter_plan = _transformers(
-    f"{_PARALLEL_UTILS}._get_parameter_plan", f"{_TENSOR_PARALLEL}._get_parameter_plan", purpose="TP plan lookup"
-)
+# Known: 5.23.0 - 5.24.0 (5.22 had both in tensor_parallel).
+get_parameter_plan = _transformers(f"{_PARALLEL_UTILS}._get_parameter_plan", purpose="TP plan lookup")
 replace_layer_number_by_wildcard = _transformers(
-    f"{_PARALLEL_UTILS}.replace_layer_number_by_wildcard",
-    f"{_TENSOR_PARALLEL}.replace_layer_number_by_wildcard",
-    purpose="matching TP plan keys",
+    f"{_PARALLEL_UTILS}.replace_layer_number_by_wildcard", purpose="matching TP plan keys"
 )
 
 # --- Model-code conventions (automodel.distributed.activation_checkpointing) ------------------------------------------

@@ -16,7 +16,6 @@ from automodel._compat.transformers import (
     ALL_PARALLEL_STYLES,
     EpDispatchExpertsParallel,
     get_parameter_plan,
-    install_expert_dispatch,
     replace_layer_number_by_wildcard,
 )
 
@@ -76,7 +75,7 @@ def install_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: Devi
             style.validate_param(modules[module_name], param_name, ep_mesh, parameter_name=name)
             style.shard_param(modules[module_name], param_name, ep_mesh)
         elif style_name == EXPERT_DISPATCH_STYLE:
-            install_expert_dispatch(style, modules[name], ep_mesh, tp_mesh)
+            style.install_forward(modules[name], ep_mesh=ep_mesh, tp_mesh=tp_mesh, ep_implementation="all_to_all")
         else:
             style.install_forward(modules[name], ep_mesh)
 
