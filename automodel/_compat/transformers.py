@@ -1,8 +1,8 @@
 """Every private transformers symbol automodel uses, imported once (see :mod:`automodel._compat`).
 
 transformers documents its top-level names and the model classes; the modules below (``transformers.distributed``'s
-internals, ``core_model_loading``, ``conversion_mapping``, ``modeling_utils`` helpers) and the ``_``-prefixed methods
-are internals that change between releases. "Known" gives the releases a symbol was checked in: from the oldest
+internals, ``core_model_loading``, ``conversion_mapping``, ``modeling_utils`` helpers, ``integrations``) and the
+``_``-prefixed methods are internals that change between releases. "Known" gives the releases a symbol was checked in: from the oldest
 release checked (5.0.0) or the one it appeared in, to the newest tested one. The tested range is
 ``TESTED_RANGES["transformers"]`` (5.23.0 to 5.24.0). It starts at 5.23: in 5.22 the Gemma 4 and DiffusionGemma
 configs still route experts with the ``ep_router`` / ``moe_tp_experts`` plan rather than the ``ep_dispatch_experts``
@@ -44,6 +44,7 @@ __all__ = [
     "all_reduce_forward",
     "build_from_config",
     "build_glob_alternation",
+    "convert_moe_packed_tensors",
     "dot_natural_key",
     "dtype_plan",
     "get_model_conversion_mapping",
@@ -132,6 +133,14 @@ revert_weight_conversion = _transformers(
 )
 # One regex alternation over glob patterns (the keys of a dtype plan). Known: 5.0.0 - 5.24.0.
 build_glob_alternation = _transformers(f"{_CORE_LOADING}.build_glob_alternation", purpose="matching dtype plans")
+
+# --- Quantized checkpoints (automodel.loading.quantized) ------------------------------------------------------------
+
+# gpt-oss MXFP4 dequantization (E2M1 code pairs and E8M0 group scales to floats); its math is applied to each rank's
+# slices. Known: 5.20.0 - 5.24.0.
+convert_moe_packed_tensors = _transformers(
+    "transformers.integrations.mxfp4.convert_moe_packed_tensors", purpose="dequantizing MXFP4 checkpoints"
+)
 
 # --- Tied weights and initialisation (automodel.loading.export, initialization; auto_model; diffusion) ----------------
 
