@@ -9,6 +9,7 @@ logits against plain transformers on 2 ranks under torchrun.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -17,8 +18,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 import yaml
 
 from automodel.training.config import load_config
@@ -97,7 +96,8 @@ def test_wheel_works_in_a_fresh_virtualenv_outside_the_repo(tmp_path: Path) -> N
     _check_wheel_contents(wheel)
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", venv], cwd=tmp_path, timeout=300)
-    pins = [f"torch=={torch.__version__}", f"transformers=={transformers.__version__}"]
+    # The distributions' own versions ("2.13.0+cpu" from a local wheel; "2.14.1", not torch's "2.14.1+cu130").
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in ("torch", "transformers")]
     _run([venv / "bin" / "pip", "install", "--quiet", wheel, *pins], cwd=tmp_path, timeout=900)
 
     elsewhere = tmp_path / "elsewhere"
