@@ -97,7 +97,6 @@ def test_sft_with_lora_trains_only_the_adapters_and_exports_them_merged(ranks2, 
     config = _config(tmp_path, chat_checkpoint)
     export = tmp_path / "export"
     result = ranks2.run(
-        train_and_report,
         train_lora,
         config,
         ["lora.rank=8", "lora.alpha=16", "lora.target_modules=[q_proj, v_proj, up_proj, down_proj]", "train.lr=3e-2"]
