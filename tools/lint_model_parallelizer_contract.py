@@ -8,12 +8,15 @@ one OK line and exits 0. Standard library only. Rules (see ``docs/architecture-g
 1. no second parallelization interface (``ParallelizeContext`` / ``parallel_scheme``) anywhere in the project;
 2. a sidecar ``ModelParallelizer`` subclass defines no public method, ``parallelize`` included;
 3. a sidecar imports from ``automodel.distributed`` only names the target module lists in its literal ``__all__``;
-4. ``automodel/distributed/`` imports no model or sidecar and never branches on a model class name.
+4. ``automodel/distributed/`` imports no model or sidecar and never branches on a model class name;
+5. private torch / transformers symbols are imported only in the seam, ``automodel/_compat/``.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
 import os
 import re
 import sys
@@ -40,6 +43,13 @@ TRANSFORMERS_MODEL_CLASS = re.compile(r"(?!PreTrained)\w*(For[A-Z]\w*|Model|Deco
 # module; a path in a message ("model_sidecars/<model>/parallelization.py") is not a module name.
 MODEL_MODULE_STRING = re.compile(r"\bmodel_sidecars(?:[.:]|$)|\btransformers\.models\b")
 
+SEAM_DIR = ("automodel", "_compat")
+SEAMED_LIBRARIES = ("torch", "transformers")
+# transformers' public modules besides the top-level package: the model code (and its submodules), and the package
+# that exports DistributedConfig (not its submodules).
+TRANSFORMERS_MODEL_CODE = "transformers.models"
+TRANSFORMERS_PUBLIC_PACKAGE = "transformers.distributed"
+
 SECOND_INTERFACE = (
     "`{name}` introduces a second parallelization interface; ModelParallelizer.parallelize(model, mesh_context) is "
     "the only one: put runtime inputs on MeshContext and model policy in a protected hook of a ModelParallelizer "
@@ -65,6 +75,11 @@ MODEL_IMPORT = "shared infrastructure imports the model code `{module}`" + SHARE
 NAME_CONDITIONAL = "model-name conditional on {literal!r}" + SHARED_FIX
 MODEL_ISINSTANCE = "isinstance check against the model class `{name}`" + SHARED_FIX
 MODEL_STRING = "string {literal!r} names model code" + SHARED_FIX
+
+PRIVATE_SYMBOL = (
+    "`{symbol}` is a private {library} symbol (an internal module or a `_` name); import it from the seam, "
+    "automodel._compat.{library}, and add it there if it is new, with what it is for and the releases it is known in"
+)
 
 Hit = tuple[int, str]  # (line, message)
 
@@ -256,6 +271,75 @@ def check_distributed(tree: ast.Module) -> Iterator[Hit]:
                 yield node.lineno, MODEL_STRING.format(literal=node.value)
 
 
+def _underscored(parts: Iterable[str]) -> bool:
+    """Whether a dotted path has a ``_`` part (dunders such as ``__version__`` are public)."""
+    return any(part.startswith("_") and not (part.startswith("__") and part.endswith("__")) for part in parts)
+
+
+@functools.cache
+def _package_dir(library: str) -> Path | None:
+    """Where an installed top-level package lives (located, not imported), or ``None``."""
+    spec = importlib.util.find_spec(library)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return Path(locations[0]) if locations else None
+
+
+def _is_submodule(dotted: str) -> bool:
+    """Whether ``dotted`` (``transformers.x.y``) names a module of the installed package rather than an object."""
+    library, *parts = dotted.split(".")
+    folder = _package_dir(library)
+    if folder is None or not parts:
+        return False
+    path = folder.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def private_symbol(dotted: str) -> bool:
+    """Whether the dotted path of an import or attribute reaches torch / transformers internals: any ``_`` part (the
+    rule torch's public-API definition uses), or a transformers module other than the top-level package, the model
+    code (``transformers.models``) and ``transformers.distributed``."""
+    parts = dotted.split(".")
+    if parts[0] not in SEAMED_LIBRARIES:
+        return False
+    if _underscored(parts):
+        return True
+    if parts[0] != "transformers" or len(parts) < 2 or not _is_submodule(".".join(parts[:2])):
+        return False
+    module = ".".join(parts[:3]) if _is_submodule(".".join(parts[:3])) else ".".join(parts[:2])
+    model_code = module == TRANSFORMERS_MODEL_CODE or module.startswith(TRANSFORMERS_MODEL_CODE + ".")
+    return not (model_code or module == TRANSFORMERS_PUBLIC_PACKAGE)
+
+
+def check_private_imports(tree: ast.Module) -> Iterator[Hit]:
+    """Rule 5: no private torch / transformers import, nor attribute of an imported torch / transformers name,
+    outside the seam."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in SEAMED_LIBRARIES:
+                    bound[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else alias.name.split(".")[0]
+                    )
+                    if private_symbol(alias.name):
+                        yield node.lineno, PRIVATE_SYMBOL.format(symbol=alias.name, library=alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            library = node.module.split(".")[0]
+            for alias in node.names if library in SEAMED_LIBRARIES else []:
+                symbol = f"{node.module}.{alias.name}"
+                bound[alias.asname or alias.name] = symbol
+                if private_symbol(symbol):
+                    yield node.lineno, PRIVATE_SYMBOL.format(symbol=symbol, library=library)
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        chain = dotted(node) if isinstance(node, ast.Attribute) and id(node) not in inner else ""
+        head, _, rest = chain.partition(".")
+        if head in bound and rest:
+            symbol = f"{bound[head]}.{rest}"
+            if private_symbol(symbol) and not private_symbol(bound[head]):
+                yield node.lineno, PRIVATE_SYMBOL.format(symbol=symbol, library=symbol.split(".")[0])
+
+
 def check_file(path: Path, root: Path, base: BaseContract) -> list[Finding]:
     """Every finding for one Python file of the project rooted at ``root``."""
     try:
@@ -268,6 +352,8 @@ def check_file(path: Path, root: Path, base: BaseContract) -> list[Finding]:
         hits += [*check_sidecar_methods(tree, base), *check_sidecar_imports(tree, root)]
     if folders[:2] == ("automodel", "distributed"):
         hits += check_distributed(tree)
+    if folders[:2] != SEAM_DIR:
+        hits += check_private_imports(tree)
     return [Finding(path, line, message) for line, message in sorted(hits)]
 
 

@@ -18,14 +18,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
     noop_context_fn,
 )
+
+from automodel._compat.torch import SDPA_KERNEL_OPS, TorchDispatchMode, tree_map_only
+from automodel._compat.transformers import CACHE_ARGUMENTS
 
 from .model_structure import decoder_layers
 
@@ -40,16 +41,10 @@ _SAVED_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten.baddbmm.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    *SDPA_KERNEL_OPS,
 }
 # The ops that make routing decisions (transformers' MoE routers all select experts with top-k).
 _ROUTING_OPS = {_aten.topk.default}
-
-
-# transformers' names for the KV cache argument of layers and attention modules.
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def selective_checkpoint_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -138,7 +133,7 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False, replay_rout
             return inner(*args, **kwargs)
         # The backward replay would write the KV cache a second time (as transformers' own checkpointing layer
         # knows): a checkpointed module runs without one.
-        for name in _CACHE_ARGUMENTS:
+        for name in CACHE_ARGUMENTS:
             if kwargs.get(name) is not None:
                 kwargs[name] = None
         if kwargs.get("use_cache"):

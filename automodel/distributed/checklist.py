@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
+from automodel._compat.torch import fsdp_state
+
 from .activation_checkpointing import apply_activation_checkpointing
 from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from .context_parallel import apply_context_parallel
@@ -201,7 +203,7 @@ def _describe_fsdp_units(model: nn.Module, experts: ExpertGroups, context: MeshC
     units: dict[int, nn.Module] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            units.setdefault(id(module._get_fsdp_state()), module)
+            units.setdefault(id(fsdp_state(module)), module)
     if not units:
         return None
     expert_modules = {id(module) for group in experts for module in group}

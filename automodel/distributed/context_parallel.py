@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface, AttentionMaskInterface
+
+from automodel._compat.torch import all_gather, all_gather_autograd
 
 from .model_structure import decoder_layers
 
@@ -27,9 +28,6 @@ __all__ = ["CP_ATTENTION", "apply_context_parallel", "gather_sequence", "shard_b
 
 CP_ATTENTION = "automodel_context_parallel"
 
-# torch 2.13 renamed the functional all-gathers (the old names warn); torch >= 2.9 is supported.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 IGNORE_INDEX = -100
 
 
@@ -86,10 +84,10 @@ def _context_parallel_attention(
             "automodel.distributed.context_parallel.shard_batch_for_context_parallel."
         )
     group = mesh.get_group()
-    keys = _all_gather_autograd(key.contiguous(), gather_dim=2, group=group)
-    values = _all_gather_autograd(value.contiguous(), gather_dim=2, group=group)
+    keys = all_gather_autograd(key.contiguous(), gather_dim=2, group=group)
+    values = all_gather_autograd(value.contiguous(), gather_dim=2, group=group)
     positions = positions.expand(query.shape[0], -1)
-    all_positions = _all_gather(positions.contiguous(), gather_dim=1, group=group)
+    all_positions = all_gather(positions.contiguous(), gather_dim=1, group=group)
     mask = _causal_document_mask(all_positions, mesh.size(), mesh.get_local_rank())
     output = F.scaled_dot_product_attention(
         query,
@@ -175,7 +173,7 @@ def shard_batch_for_context_parallel(
 def gather_sequence(local: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int = 1) -> torch.Tensor:
     """The whole-sequence tensor (e.g. logits) from every CP rank's load-balanced part, in sequence order."""
     cp_size = cp_mesh.size()
-    gathered = _all_gather(local.contiguous(), gather_dim=seq_dim, group=cp_mesh.get_group())
+    gathered = all_gather(local.contiguous(), gather_dim=seq_dim, group=cp_mesh.get_group())
     pieces = gathered.chunk(2 * cp_size, dim=seq_dim)  # rank r contributed pieces 2r and 2r+1
     ordered = [None] * (2 * cp_size)
     for rank in range(cp_size):

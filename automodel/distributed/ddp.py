@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed._composable.replicate import replicate
+
+from automodel._compat.torch import replicate
 
 from .config import DDPConfig
 from .mesh import MeshContext

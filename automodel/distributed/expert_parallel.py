@@ -14,13 +14,14 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from automodel._compat.transformers import replace_layer_number_by_wildcard
+
 from .hf_plans import (
     EXPERT_DISPATCH_STYLE,
     EXPERT_STYLES,
     expand_plan,
     install_expert_parallel,
     model_ep_plan,
-    replace_layer_number_by_wildcard,
 )
 from .model_structure import retie_parameters, tied_module_groups, tied_parameter_names
 

@@ -11,6 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from automodel._compat.torch import fsdp_param_groups
+
 from .hf_plans import model_fsdp_plan, module_style
 from .model_structure import decoder_layers, input_embeddings, output_embeddings, tied_parameter_names
 
@@ -147,7 +149,7 @@ def unshard_for_outside_calls(model: nn.Module) -> int:
     for unit in model.modules():
         if unit is model or not isinstance(unit, FSDPModule):
             continue
-        groups = unit._get_fsdp_state()._fsdp_param_groups
+        groups = fsdp_param_groups(unit)
         for module, _ in _direct_param_owners(unit):
             if module is not unit:
                 module.register_forward_pre_hook(_unshard_if_sharded(unit, groups))

@@ -1,69 +1,35 @@
-"""The one place that imports transformers' tensor- and expert-parallel internals (supported range pinned in
-pyproject.toml): its plans on models and its named styles.
+"""transformers' plans on models (supported range in pyproject.toml): the TP plan with its named styles, the EP plan and
+the FSDP plan.
 
 transformers ships named TP styles (``ALL_PARALLEL_STYLES``: ``"colwise"``, ``"rowwise"``, ``"packed_colwise"``,
 ``"embedding_rowwise"`` ...) and plans on models (``model.tp_plan``: ``_tp_plan`` + ``config.base_model_tp_plan``,
-``ep_plan``, ``fsdp_plan``). This module reads the plans and re-exports the style classes and the private helpers
-``tp_styles`` builds on, so no other module imports transformers' distributed internals.
+``ep_plan``, ``fsdp_plan``). This module reads and expands the plans; the private transformers symbols it and
+``tp_styles`` build on come from the one seam, :mod:`automodel._compat.transformers`.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
-from transformers.distributed.parallel_utils import (
+
+from automodel._compat.transformers import (
     ALL_PARALLEL_STYLES,
-    _AllReduceBackward,
-    _AllReduceForward,
-    _get_parameter_plan,
-    _use_local_dtensor_params,
+    EpDispatchExpertsParallel,
+    get_parameter_plan,
     replace_layer_number_by_wildcard,
-)
-from transformers.distributed.tensor_parallel import (
-    AllReduceParallel,
-    ColwiseParallel,
-    EmbeddingParallel,
-    MlaKvAProjParallel,
-    PackedColwiseParallel,
-    ReplicatedWithGradAllReduce,
-    RowwiseParallel,
-    SequenceParallel,
-    TensorParallelLayer,
 )
 
 __all__ = [
-    "ALL_PARALLEL_STYLES",
     "EXPERT_DISPATCH_STYLE",
     "EXPERT_STYLES",
-    "AllReduceParallel",
-    "ColwiseParallel",
-    "EmbeddingParallel",
-    "MlaKvAProjParallel",
-    "PackedColwiseParallel",
-    "ReplicatedWithGradAllReduce",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "TensorParallelLayer",
-    "all_reduce_backward",
-    "all_reduce_forward",
     "expand_plan",
     "install_expert_parallel",
-    "local_dtensor_params",
     "matchable_plan_keys",
     "model_ep_plan",
     "model_fsdp_plan",
     "model_tp_plan",
     "module_style",
-    "replace_layer_number_by_wildcard",
 ]
-
-#: Identity forward, gradient summed over a process group in backward (transformers' ``_AllReduceBackward``).
-all_reduce_backward = _AllReduceBackward.apply
-#: Output summed over a process group in forward, identity backward (transformers' ``_AllReduceForward``).
-all_reduce_forward = _AllReduceForward.apply
-#: Context running a module's forward with its DTensor parameters swapped for their local shards.
-local_dtensor_params = _use_local_dtensor_params
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -147,7 +113,7 @@ def _plan_style(name: str, plan: dict[str, str], *, is_weight: bool) -> str | No
         return plan[name]
     if is_weight and "." in name and (module_name := name.rsplit(".", 1)[0]) in plan:
         return plan[module_name]
-    return _get_parameter_plan(name, plan, is_weight=is_weight)
+    return get_parameter_plan(name, plan, is_weight=is_weight)
 
 
 def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from automodel._compat.torch import default_process_group
+
 from .config import DDPConfig, MegatronFSDPConfig, MoEConfig, StrategyConfig, strategy_from_name
 
 __all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "ActivationCheckpointing", "MeshContext", "check_layout"]
@@ -142,7 +144,7 @@ def _meshes(
     device_type: str, shape: tuple[int, int, int, int], ep_size: int
 ) -> tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None]:
     # The group object itself (not its id) is in the key: a destroyed and re-created default group gets new meshes.
-    key = (dist.distributed_c10d._get_default_group(), device_type, shape, ep_size)
+    key = (default_process_group(), device_type, shape, ep_size)
     if key not in _MESHES:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DENSE_AXES)
         moe_mesh = None

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+
+from automodel._compat.torch import tree_leaves
 
 from .runtime import log_rank_zero
 from .tp_styles import REPLICATED_WITH_GRAD_ALLREDUCE_ONCE, TensorParallelLayer, is_replicated, shards_output

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._pytree import tree_map_only
+
+from automodel._compat.torch import tree_map_only
 
 from .adapters import LOCAL_INPUT_STYLE, adapter_placements
 from .hf_plans import expand_plan, matchable_plan_keys, model_tp_plan

@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.utils._pytree import tree_map_only
 
-from .hf_plans import (
+from automodel._compat.torch import is_to_local_view, tree_map_only
+from automodel._compat.transformers import (
     ALL_PARALLEL_STYLES,
     AllReduceParallel,
     ColwiseParallel,
@@ -248,18 +248,13 @@ class _Owned(torch.autograd.Function):
         return grad
 
 
-# The autograd node of ``DTensor.to_local()``, whose output is a view of the DTensor's (temporary) local tensor.
-_TO_LOCAL_NODE = "_ToTorchTensorBackward"
-
-
 def _hand_back_owned_outputs(module: nn.Module) -> None:
     """Wrap ``module.forward`` so that outputs ``DTensor.to_local`` returned (views of a temporary that nothing else
     references) come back as owned aliases: no copy, and ``out.add_(...)`` in the model is allowed as without TP."""
     forward = module.forward
 
     def owned(tensor: torch.Tensor) -> torch.Tensor:
-        from_local = tensor._is_view() and type(tensor.grad_fn).__name__ == _TO_LOCAL_NODE
-        return _Owned.apply(tensor) if from_local else tensor
+        return _Owned.apply(tensor) if is_to_local_view(tensor) else tensor
 
     def forward_with_owned_outputs(*args: Any, **kwargs: Any) -> Any:
         output = forward(*args, **kwargs)

@@ -24,9 +24,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+from automodel._compat.transformers import remove_tied_weights_from_state_dict, revert_weight_conversion
 from automodel.distributed.runtime import full_tensor, is_rank_zero
 
 from .agreement import agree_or_raise

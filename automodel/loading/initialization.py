@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
-from transformers import initialization as hf_init
+
+from automodel._compat.transformers import guard_torch_init_functions, mark_initialized
 
 from .placements import local_indices
 from .sources import select
@@ -46,7 +47,7 @@ def initialize_missing(model: nn.Module, names: set[str], *, seed: int = 0) -> N
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        with torch.no_grad(), hf_init.guard_torch_init_functions():
+        with torch.no_grad(), guard_torch_init_functions():
             for module_name, module in _post_order(model):
                 prefix = f"{module_name}." if module_name else ""
                 own = {
@@ -70,7 +71,7 @@ def _initialize_module(owner: nn.Module, module: nn.Module, names: set[str]) -> 
             if isinstance(value, nn.Parameter):
                 full = nn.Parameter(full, requires_grad=value.requires_grad)
             if name not in names:
-                full._is_hf_initialized = True
+                mark_initialized(full)
             originals[name] = (store, value)
             store[name] = full
     try:

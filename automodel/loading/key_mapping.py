@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (
+
+from automodel._compat.transformers import (
     Concatenate,
     MergeModulelist,
     WeightConverter,
     WeightRenaming,
     dot_natural_key,
+    get_model_conversion_mapping,
     rename_source_key,
 )
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from automodel._compat.torch import StridedShard
 from automodel.distributed.megatron_fsdp import is_megatron_fsdp_parameter, megatron_fsdp_local_indices
 
 __all__ = ["IndexRuns", "local_indices", "to_runs"]
@@ -19,7 +20,7 @@ def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
 
     A plain tensor holds everything. For a ``DTensor`` the placements are applied to index vectors in mesh-dim order
     with the placements' own split rules (``Shard``: ``torch.chunk`` semantics, uneven shards included;
-    ``_StridedShard``: the interleaved layout FSDP2 produces over a TP-sharded dim; ``Replicate``/``Partial``: all).
+    ``StridedShard``: the interleaved layout FSDP2 produces over a TP-sharded dim; ``Replicate``/``Partial``: all).
     """
     if is_megatron_fsdp_parameter(tensor):
         return megatron_fsdp_local_indices(tensor)
@@ -31,8 +32,8 @@ def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
     if coordinate is None:
         raise RuntimeError("this rank is not part of the tensor's device mesh")
     for mesh_dim, placement in enumerate(tensor.placements):
-        # `_StridedShard.is_shard()` is False in torch 2.13, so test the types.
-        if not isinstance(placement, (Shard, _StridedShard)):
+        # `StridedShard.is_shard()` is False in torch 2.13, so test the types.
+        if not isinstance(placement, (Shard, StridedShard)):
             continue
         dim = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
         pieces, _ = _on_dim0(placement)._split_tensor(indices[dim], mesh.size(mesh_dim), with_padding=False)
@@ -49,8 +50,8 @@ def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def _on_dim0(placement: Placement) -> Placement:
     """The same split rule applied to a 1-D index vector."""
-    if isinstance(placement, _StridedShard):
-        return _StridedShard(0, split_factor=placement.split_factor)
+    if isinstance(placement, StridedShard):
+        return StridedShard(0, split_factor=placement.split_factor)
     return Shard(0)
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from automodel._compat.transformers import convert_moe_packed_tensors
+
 from .checkpoint_files import CheckpointError, CheckpointFiles
 from .sources import Source, StoredTensor, select
 
@@ -259,8 +261,6 @@ class Mxfp4:
         return (*lead, groups * _MXFP4_GROUP, rows)
 
     def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
-        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
         *lead, columns, rows = indices
         groups, inverse = torch.unique(columns // _MXFP4_GROUP, return_inverse=True)
         blocks = self.blocks.read([*lead, rows, groups, torch.arange(self.blocks.shape[-1])])

@@ -1,5 +1,7 @@
 """The ``automodel`` command: ``automodel sft|pretrain --config FILE [--nproc-per-node N] [dotted.key=value ...]``.
 
+``automodel init-config sft|pretrain [--output DIR]`` writes a runnable example config and its data set first.
+
 The config is read and validated first, against the number of processes too (a bad key or value, or a layout that
 does not fit, exits with status 2 before any process starts); then, unless already under torchrun, the command
 relaunches itself with torchrun: ``--standalone`` on one node, or with the rendezvous options it was given
@@ -29,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="automodel",
         description=__doc__.splitlines()[0],
-        epilog=describe_keys() + "\n\nRelative paths in the YAML file are relative to its folder (docs/recipes.md).",
+        epilog=describe_keys()
+        + "\n\nRelative paths in the YAML file are relative to its folder (docs/recipes.md)."
+        + "\n`automodel init-config sft|pretrain [--output DIR]` writes a runnable example config and its data.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("recipe", choices=RECIPES, help="what to run")
@@ -54,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``automodel`` console command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["init-config"]:
+        from .init_config import main as init_config
+
+        return init_config(argv[1:])
     args = _parser().parse_intermixed_args(argv)
     under_torchrun = "LOCAL_RANK" in os.environ
     if (args.nproc_per_node < 1 or args.nnodes < 1) and not under_torchrun:

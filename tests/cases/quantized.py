@@ -57,8 +57,11 @@ def bf16_weights(checkpoint: str, layout: dict[str, Any]) -> float:
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, dtype=torch.bfloat16)
     ref = dict(reference_model(checkpoint, "transformers", torch.bfloat16).named_parameters())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # transformers 5.23 leaves the tensors a checkpoint stores unquantized (embeddings, norms: fp32 here) in their
+    # stored dtype inside a bf16 model; 5.24 casts them to bf16, which is what a bf16 model holds.
     return max(
-        (full_tensor(p.detach()).float() - ref[n].float()).abs().max().item() for n, p in model.named_parameters()
+        (full_tensor(p.detach()).float() - ref[n].to(torch.bfloat16).float()).abs().max().item()
+        for n, p in model.named_parameters()
     )
 
 

@@ -74,16 +74,24 @@ def save_deepseek_v4_checkpoint(directory: Path, seed: int = 0) -> Path:
 
 def kept_parameter_rule() -> dict[str, list[str]]:
     """The parameters the sidecar keeps in float32 units, next to those transformers keeps in float32 (by
-    ``_keep_in_fp32_modules_strict`` path and by the dtype a bf16 model gives them)."""
+    ``_keep_in_fp32_modules_strict`` path, and by the dtype a bf16 model gets: at construction from transformers 5.24
+    on, while loading through the model's dtype plan before)."""
+    from automodel._compat.transformers import build_glob_alternation, dtype_plan
     from model_sidecars.deepseek_v4.parallelization import _fp32_kept_parameters
 
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM._from_config(tiny_deepseek_v4_config(), dtype=torch.bfloat16)
     rule = _fp32_kept_parameters(model)
+    plan = dtype_plan(model, torch.bfloat16)
+    loaded_fp32 = build_glob_alternation(list(plan))[0] if plan else None
     return {
         "sidecar": sorted(name for name, p in model.named_parameters() if id(p) in rule),
         "by_path": sorted(name for name, _ in model.named_parameters() if _is_fp32_kept(name)),
-        "by_dtype": sorted(name for name, p in model.named_parameters() if p.dtype == torch.float32),
+        "by_dtype": sorted(
+            name
+            for name, p in model.named_parameters()
+            if p.dtype == torch.float32 or (loaded_fp32 is not None and loaded_fp32.search(name))
+        ),
     }
 
 

@@ -100,9 +100,16 @@ def loaded_parity(checkpoint: str, layout: dict[str, Any], tp_plan: dict[str, st
     return {**facts, "hooks": hooks, **compare_with_reference(reference, model, context, token_batch())}
 
 
+def transformers_fp32(checkpoint: str) -> list[str]:
+    """The parameters plain transformers keeps in fp32 when it loads ``checkpoint`` in bf16: the MoE router weight
+    from transformers 5.24 on (5.23 builds it in the model's dtype)."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    return sorted(n for n, p in model.named_parameters() if p.dtype == torch.float32)
+
+
 def bf16_step(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
-    """Load in bf16 (the MoE router stays fp32, as transformers builds it) for ``layout`` with FSDP2 mixed precision;
-    one forward / backward. Reports the FSDP units that mix dtypes and whether the step finished."""
+    """Load in bf16 (the MoE router stays fp32 where transformers builds it so) for ``layout`` with FSDP2 mixed
+    precision; one forward / backward. Reports the FSDP units that mix dtypes and whether the step finished."""
     from torch.distributed.fsdp import FSDPModule
 
     from automodel.distributed import FSDP2Config
@@ -129,6 +136,7 @@ def bf16_step(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
         "grads_finite": grads_finite,
         "fp32": sorted(n for n, p in model.named_parameters() if p.dtype == torch.float32),
         "experts_unit": isinstance(model.get_submodule("model.layers.3.mixer.experts"), FSDPModule),
+        "transformers_fp32": transformers_fp32(checkpoint),
     }
 
 
@@ -158,7 +166,7 @@ def default_versus_sidecar(checkpoint: str) -> dict[str, Any]:
 
 
 def bf16_default_versus_sidecar(checkpoint: str) -> dict[str, Any]:
-    """Loaded in bf16 (the MoE router stays fp32, as transformers builds it) with FSDP2 mixed precision: one
+    """Loaded in bf16 (the MoE router stays fp32 where transformers builds it so) with FSDP2 mixed precision: one
     forward / backward with the default ``ModelParallelizer()`` and with the sidecar."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -185,4 +193,5 @@ def bf16_default_versus_sidecar(checkpoint: str) -> dict[str, Any]:
             error = str(exc)
         fp32 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float32)
         results[name] = {"mixed_units": mixed, "error": error, "fp32": fp32}
+    results["transformers_fp32"] = transformers_fp32(checkpoint)
     return results

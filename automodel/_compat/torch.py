@@ -1,0 +1,128 @@
+"""Every private torch symbol automodel uses, imported once (see :mod:`automodel._compat`).
+
+"Known" gives the releases a symbol was checked in: from the oldest release checked (2.9.0) or the one it appeared
+in, to the newest tested one. The tested range is ``TESTED_RANGES["torch"]`` (2.12.1 to 2.14.1).
+
+Not wrapped, on purpose: ``nn.Module``'s own storage (``_parameters``, ``_buffers``, ``_non_persistent_buffers_set``),
+which the loader and the TP styles read and assign directly, as torch's own ``nn.Module`` methods and most of the
+ecosystem do; it has not changed since torch 1.0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .versions import MissingSymbolError, private_symbol
+
+__all__ = [
+    "SDPA_KERNEL_OPS",
+    "StridedShard",
+    "TorchDispatchMode",
+    "all_gather",
+    "all_gather_autograd",
+    "default_process_group",
+    "fsdp_param_groups",
+    "fsdp_state",
+    "is_to_local_view",
+    "replicate",
+    "tree_leaves",
+    "tree_map_only",
+]
+
+
+def _torch(*paths: str, purpose: str) -> Any:
+    return private_symbol("torch", *paths, purpose=purpose)
+
+
+# Subclassed by activation checkpointing to record and replay MoE routing decisions (top-k saved, not recomputed).
+# Known: 2.9.0 - 2.14.1.
+TorchDispatchMode = _torch(
+    "torch.utils._python_dispatch.TorchDispatchMode", purpose="recording MoE routing under activation checkpointing"
+)
+# Map / flatten the tensors in nested module inputs and outputs (tuples, dicts, ModelOutput): TP output hooks, routing
+# records, partial gradients. Known: 2.9.0 - 2.14.1.
+tree_map_only = _torch("torch.utils._pytree.tree_map_only", purpose="mapping the tensors of nested module outputs")
+tree_leaves = _torch("torch.utils._pytree.tree_leaves", purpose="finding the tensors of nested module inputs")
+
+# The functional all-gather along one dimension, plain and autograd-aware (context parallelism gathers keys, values
+# and positions). Shim: torch 2.13 renamed all_gather_tensor(_autograd) to all_gather_single(_autograd), and the old
+# names warn there, so the new name is used where it exists. Known: all_gather_tensor(_autograd) 2.9.0 - 2.14.1,
+# all_gather_single(_autograd) 2.13.0 - 2.14.1.
+all_gather = _torch(
+    "torch.distributed._functional_collectives.all_gather_single",
+    "torch.distributed._functional_collectives.all_gather_tensor",
+    purpose="the context-parallel all-gather",
+)
+all_gather_autograd = _torch(
+    "torch.distributed._functional_collectives.all_gather_single_autograd",
+    "torch.distributed._functional_collectives.all_gather_tensor_autograd",
+    purpose="the autograd-aware context-parallel all-gather of keys and values",
+)
+
+# Composable DDP: keeps the model's own class (generate, save_pretrained) where DistributedDataParallel would wrap it.
+# Known: 2.9.0 - 2.14.1.
+replicate = _torch("torch.distributed._composable.replicate.replicate", purpose="the DDP strategy")
+
+# The interleaved placement FSDP2 gives a dimension that TP already shards; the loader computes each rank's slice of
+# it. Known: 2.9.0 - 2.14.1 (``is_shard()`` is False for it in 2.13, so callers test the type).
+StridedShard = _torch(
+    "torch.distributed.tensor.placement_types._StridedShard", purpose="reading FSDP2 x TP shards of a checkpoint"
+)
+
+
+# The private ATen overloads scaled_dot_product_attention dispatches to; selective activation checkpointing saves
+# their outputs instead of recomputing attention. Known: 2.9.0 - 2.14.1.
+def _aten_overload(name: str) -> Any:
+    try:
+        return getattr(torch.ops.aten, name).default
+    except AttributeError:
+        raise MissingSymbolError(
+            "torch", f"torch.ops.aten.{name}", "saving attention outputs under selective activation checkpointing"
+        ) from None
+
+
+SDPA_KERNEL_OPS: tuple[Any, ...] = tuple(
+    _aten_overload(name)
+    for name in (
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+)
+
+# The default process group object; meshes are cached per group, so a re-created group gets new meshes.
+# Known: 2.9.0 - 2.14.1.
+_get_default_group = _torch(
+    "torch.distributed.distributed_c10d._get_default_group", purpose="caching device meshes per process group"
+)
+
+
+def default_process_group() -> Any:
+    """The initialised default process group (``torch.distributed.distributed_c10d._get_default_group``)."""
+    return _get_default_group()
+
+
+# The autograd node DTensor.to_local() leaves on its output; TP styles hand such views back as owned tensors.
+# Known: 2.9.0 - 2.14.1.
+_TO_LOCAL_NODE = "_ToTorchTensorBackward"
+
+
+def is_to_local_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the view ``DTensor.to_local()`` returned (``Tensor._is_view`` and its autograd node)."""
+    return tensor._is_view() and type(tensor.grad_fn).__name__ == _TO_LOCAL_NODE
+
+
+def fsdp_param_groups(unit: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of a ``fully_shard`` unit (``FSDPModule._get_fsdp_state()._fsdp_param_groups``),
+    whose ``is_unsharded`` tells whether the unit's parameters are gathered. Known: 2.12.0 - 2.14.1 (2.11 and older
+    kept one optional ``_fsdp_param_group``, outside the tested range)."""
+    return fsdp_state(unit)._fsdp_param_groups
+
+
+def fsdp_state(unit: nn.Module) -> Any:
+    """The FSDP2 state object of a ``fully_shard`` unit (``FSDPModule._get_fsdp_state()``), one per unit (grouped
+    modules share it). Known: 2.9.0 - 2.14.1."""
+    return unit._get_fsdp_state()

@@ -1,0 +1,106 @@
+"""The seam for private torch / transformers symbols (``automodel._compat``) and the tested version range.
+
+The range is declared in three places that must agree: ``pyproject.toml`` (what pip allows), the Makefile's
+``OLDEST_VERSIONS`` / ``NEWEST_VERSIONS`` (what ``make test-compat`` runs) and ``TESTED_RANGES`` (what a missing
+symbol's error message tells the user to install).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+import transformers
+
+import automodel._compat.torch as compat_torch
+import automodel._compat.transformers as compat_transformers
+from automodel._compat import TESTED_RANGES, MissingSymbolError, private_symbol
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _declared() -> dict[str, str]:
+    """``{"torch": ">=2.12.1,<2.15", ...}`` from pyproject.toml's dependencies."""
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    pairs = (re.fullmatch(r"([A-Za-z0-9_.-]+)(.*)", dependency).groups() for dependency in dependencies)
+    return {name: specifier for name, specifier in pairs if name in TESTED_RANGES}
+
+
+def _make_pins(variable: str) -> dict[str, str]:
+    """``{"torch": "2.12.1", "transformers": "5.22.0"}`` from a Makefile line ``VARIABLE := torch==... ...``."""
+    line = re.search(rf"^{variable} := (.*)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert line, f"{variable} is missing from the Makefile"
+    return dict(pin.split("==") for pin in line.group(1).split())
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.match(r"\d+(\.\d+)*", text).group(0).split("."))
+
+
+def _within(version: str, specifier: str) -> bool:
+    lower, upper = re.fullmatch(r">=([\d.]+),<([\d.]+)", specifier).groups()
+    return _version(lower) <= _version(version) < _version(upper)
+
+
+def test_pyproject_declares_exactly_the_tested_range() -> None:
+    assert _declared() == {name: tested.specifier for name, tested in TESTED_RANGES.items()}
+    for tested in TESTED_RANGES.values():
+        assert tested.specifier.startswith(f">={tested.oldest},"), "the range starts at the oldest tested release"
+        assert _within(tested.newest, tested.specifier)
+
+
+def test_make_test_compat_runs_both_ends_of_the_range() -> None:
+    assert _make_pins("OLDEST_VERSIONS") == {name: tested.oldest for name, tested in TESTED_RANGES.items()}
+    assert _make_pins("NEWEST_VERSIONS") == {name: tested.newest for name, tested in TESTED_RANGES.items()}
+    default = _make_pins("DEFAULT_VERSIONS")
+    assert all(_within(default[name], tested.specifier) for name, tested in TESTED_RANGES.items()), default
+
+
+def test_the_installed_releases_are_in_the_tested_range() -> None:
+    for name, module in (("torch", torch), ("transformers", transformers)):
+        assert _within(module.__version__, TESTED_RANGES[name].specifier), (name, module.__version__)
+
+
+@pytest.mark.parametrize("module", [compat_torch, compat_transformers], ids=["torch", "transformers"])
+def test_every_seam_symbol_resolves(module) -> None:
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+    assert missing == []
+    assert len(module.__all__) == len(set(module.__all__))
+
+
+def test_missing_symbol_names_it_the_range_and_the_fix() -> None:
+    with pytest.raises(MissingSymbolError) as raised:
+        private_symbol("torch", "torch.utils._pytree.tree_map_everything", purpose="mapping everything")
+    message = str(raised.value)
+    assert "torch.utils._pytree.tree_map_everything (mapping everything)" in message
+    assert f"torch {importlib.metadata.version('torch')} does not have" in message
+    assert "tested with torch 2.12.1 to 2.14.1" in message
+    assert "pip install 'torch>=2.12.1,<2.15'" in message
+    assert "automodel/_compat/torch.py" in message
+    assert isinstance(raised.value, ImportError) and raised.value.symbol == "torch.utils._pytree.tree_map_everything"
+
+
+def test_missing_module_is_a_missing_symbol() -> None:
+    with pytest.raises(MissingSymbolError, match=r"transformers\.no_such_module\.Thing \(a test\)"):
+        private_symbol("transformers", "transformers.no_such_module.Thing", purpose="a test")
+
+
+def test_moved_symbol_is_found_at_its_older_location() -> None:
+    found = private_symbol(
+        "transformers",
+        "transformers.no_such_module.ALL_PARALLEL_STYLES",
+        "transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES",
+        purpose="a test",
+    )
+    assert found is compat_transformers.ALL_PARALLEL_STYLES
+
+
+def test_plan_lookup_matches_transformers() -> None:
+    plan = {"model.layers.*.self_attn.q_proj": "colwise"}
+    assert compat_transformers.replace_layer_number_by_wildcard("model.layers.12.mlp") == "model.layers.*.mlp"
+    assert compat_transformers.get_parameter_plan("model.layers.3.self_attn.q_proj.weight", plan) == "colwise"
+    assert compat_transformers.get_parameter_plan("model.layers.3.mlp.up_proj.weight", plan) is None

