@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import transformers
@@ -38,6 +38,9 @@ from model_sidecars import sidecar_class
 __all__ = ["NeMoAutoModel", "NeMoAutoModelForCausalLM"]
 
 logger = logging.getLogger(__name__)
+
+InitMode = Literal["per_module", "exact"]
+INIT_MODES: tuple[str, ...] = ("per_module", "exact")
 
 
 class _NeMoAutoBase:
@@ -166,6 +169,7 @@ class _NeMoAutoBase:
         mesh_context: MeshContext | None = None,
         dtype: torch.dtype | str | None = None,
         seed: int = 0,
+        init: InitMode = "per_module",
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
         tp_plan: dict[str, str] | str | None = None,
@@ -173,11 +177,54 @@ class _NeMoAutoBase:
     ) -> nn.Module:
         """A freshly initialised model for pretraining, parallelized for ``mesh_context``.
 
-        Its weights equal (as ``full_tensor()``) what plain transformers builds after ``torch.manual_seed(seed)``:
-        to reproduce transformers' RNG stream exactly, each rank initialises the full model once on the CPU, keeps
-        its shards and frees the rest (peak host memory: one full copy per rank during the call).
+        ``init="per_module"`` (the default, memory-bounded): the model is built on the meta device, parallelized, its
+        local shards allocated, and then initialised module by module with the model's own ``_init_weights`` (so
+        with transformers' init distributions): each module gets a full-size temporary of its own tensors, drawn
+        from the CPU generator seeded with ``(seed, module name)``, copies its local slices into the shards and
+        frees it. The weights are identical (as ``full_tensor()``) on every layout and world size, ``mesh_context=None``
+        included; peak host memory is the local shards plus the largest single module.
+
+        ``init="exact"`` (small models, tests): the weights equal, bit for bit, what plain transformers builds after
+        ``torch.manual_seed(seed)``. To reproduce transformers' RNG stream each rank initialises the full model on
+        the CPU once, keeps its shards and frees the rest: peak host memory is one full copy per rank.
         """
+        if init not in INIT_MODES:
+            raise ValueError(f"init={init!r} is not an init mode: use one of {list(INIT_MODES)}.")
         dtype = _resolve_dtype(dtype_argument(dtype, torch_dtype), config)
+        if init == "exact":
+            return cls._from_config_exact(
+                config, mesh_context, dtype, seed, attn_implementation, trust_remote_code, tp_plan
+            )
+        model = build_on_every_rank(
+            lambda: cls._build_on_meta(config, dtype, attn_implementation, trust_remote_code),
+            f"Building the model of {type(config).__name__}",
+        )
+        set_user_tp_plan(model, tp_plan)
+        loaded = load_parallelized(model, mesh_context, init_seed=seed)
+        report = loaded.report
+        log_rank_zero(
+            logger,
+            "%s from its config: initialised %d tensors module by module (seed %d) in %.2f s, peak host memory %.2f GiB",
+            type(model).__name__,
+            len(report.initialized),
+            seed,
+            report.seconds,
+            report.peak_rss_bytes / 2**30,
+        )
+        return loaded.model
+
+    @classmethod
+    def _from_config_exact(
+        cls,
+        config: PretrainedConfig,
+        mesh_context: MeshContext | None,
+        dtype: torch.dtype,
+        seed: int,
+        attn_implementation: str | None,
+        trust_remote_code: bool,
+        tp_plan: dict[str, str] | str | None,
+    ) -> nn.Module:
+        """``from_config(init="exact")``: plain transformers' model after ``torch.manual_seed(seed)``, sharded."""
         kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation

@@ -102,7 +102,8 @@ def test_each_rank_reads_only_its_shards(ranks4, checkpoints, arch, layout):
         (2, {"strategy": "fsdp2", "tp_size": 2}, "qwen3_moe"),
     ],
 )
-def test_from_config_gives_the_weights_of_the_same_seed(request, world, layout, arch):
+def test_from_config_exact_gives_the_weights_of_the_same_seed(request, world, layout, arch):
+    """``init="exact"``: plain transformers' RNG stream, bit for bit, on every layout."""
     pool = request.getfixturevalue(f"ranks{world}")
     for result in pool.run(from_config_matches_seed, layout, arch, 1234):
         assert result["weights"] == 0.0 and result["buffers"] == 0.0, result

@@ -1,14 +1,22 @@
-"""Initialise what the checkpoint does not provide, with the model's own ``_init_weights``, shard by shard.
+"""Initialise what the checkpoint does not provide (or, for ``from_config``, everything), with the model's own
+``_init_weights``, module by module into the local shards.
 
 Random init of a sharded parameter in place would draw the same numbers on every rank (CPU has no DTensor RNG
 tracker), giving copies of one shard instead of one initialised tensor. So each module that owns something to
-initialise gets full-size CPU stand-ins for its tensors, transformers' ``_init_weights`` runs on those (loaded
-tensors are flagged ``_is_hf_initialized`` so it leaves them alone), and every rank keeps its own shard.
-Non-persistent buffers (rotary ``inv_freq``, position ids) are recomputed the same way, as transformers does after
-a meta-device build.
+initialise gets full-size CPU stand-ins for its own tensors (not its children's), transformers' ``_init_weights``
+runs on those (loaded tensors are flagged ``_is_hf_initialized`` so it leaves them alone), every rank copies its own
+slices into its shards, and the stand-ins are freed before the next module: peak host memory is the local shards
+plus the largest single module.
+
+The CPU generator is seeded per module from ``(seed, module name)``, so a module's values depend on neither the
+order modules are visited in nor which others are initialised: the weights are the same on every layout and world
+size. Non-persistent buffers (rotary ``inv_freq``, position ids) are recomputed the same way, as transformers does
+after a meta-device build.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch import nn
@@ -20,7 +28,7 @@ from automodel._compat.transformers import guard_torch_init_functions, mark_init
 from .placements import local_indices
 from .sources import select
 
-__all__ = ["initialize_missing", "local_view", "non_persistent_buffer_names"]
+__all__ = ["initialize_missing", "local_view", "module_seed", "non_persistent_buffer_names"]
 
 
 def local_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,14 +46,21 @@ def non_persistent_buffer_names(model: nn.Module) -> set[str]:
     return names
 
 
+def module_seed(seed: int, module_name: str) -> int:
+    """The CPU generator's seed for initialising module ``module_name`` (its full name, ``""`` for the root): a hash
+    of both, the same on every rank, layout and world size."""
+    digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def initialize_missing(model: nn.Module, names: set[str], *, seed: int = 0) -> None:
     """Initialise the parameters and buffers in ``names`` (full names) with the model's own init, consistently
-    across ranks: the same ``seed`` everywhere, and each rank keeping its part of the full tensor."""
+    across ranks and layouts: each module's draws are seeded from ``(seed, its name)``, and each rank keeps its part
+    of the full tensor. The caller's CPU generator state is restored afterwards."""
     if not names:
         return
     owners = _init_owners(model)
     generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
     try:
         with torch.no_grad(), guard_torch_init_functions():
             for module_name, module in _post_order(model):
@@ -56,6 +71,8 @@ def initialize_missing(model: nn.Module, names: set[str], *, seed: int = 0) -> N
                     if value is not None and f"{prefix}{name}" in names
                 }
                 if own:
+                    # Only the CPU generator: the stand-ins live on the CPU, and an accelerator's RNG stays untouched.
+                    torch.random.default_generator.manual_seed(module_seed(seed, module_name))
                     _initialize_module(owners[module], module, own)
     finally:
         torch.random.set_rng_state(generator_state)

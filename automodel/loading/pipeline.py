@@ -3,12 +3,16 @@
 
     build on meta -> check the checkpoint -> prepare -> parallelize -> materialize the local shards -> fill them
 
+where "fill" reads a checkpoint, copies from full in-memory weights, or initialises every module in place (seeded
+per module, ``from_config``'s default).
+
 Every step that can fail on one rank only (building, checking, reading) is agreed on by every rank before the next
 collective, so a failure is raised everywhere with its own exception class instead of leaving ranks waiting.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +27,10 @@ from automodel.distributed.parallelizer import parallelizer_for
 from automodel.distributed.runtime import device_of
 
 from .agreement import agree_or_raise
-from .initialization import non_persistent_buffer_names
+from .initialization import initialize_missing, non_persistent_buffer_names
 from .loader import CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
 from .quantized import QuantizationScheme
-from .sharded_loader import LoadReport, load_into, state_tensors
+from .sharded_loader import LoadReport, load_into, peak_rss_bytes, state_tensors
 from .sources import InMemoryTensor
 
 __all__ = ["Loaded", "build_on_every_rank", "load_parallelized", "transformers_model"]
@@ -59,6 +63,7 @@ def load_parallelized(
     *,
     checkpoint: Path | None = None,
     weights: Mapping[str, torch.Tensor] | None = None,
+    init_seed: int | None = None,
     strict: bool = True,
     prepare: Prepare | None = None,
     progress: bool = False,
@@ -70,13 +75,15 @@ def load_parallelized(
 
     The weights come from the ``checkpoint`` directory (each rank reading only the slices of its shards; checked
     against the model first, with ``strict`` key matching; ``use_safetensors`` and ``variant`` choose its files) or from
-    full in-memory ``weights`` by name (``from_config`` copies each rank's shards out of them). A checkpoint
-    quantized as ``quantization`` says is dequantized while it is read. ``prepare(model, plan)`` runs after the
-    check and before parallelization (LoRA injection). Without ``mesh_context`` the model is filled whole on the
+    full in-memory ``weights`` by name (``from_config(init="exact")`` copies each rank's shards out of them), or are
+    drawn by the model's own ``_init_weights`` module by module, seeded from ``(init_seed, module name)`` (see
+    ``initialization``: the same weights on every layout, peak host memory the local shards plus one module). A
+    checkpoint quantized as ``quantization`` says is dequantized while it is read. ``prepare(model, plan)`` runs after
+    the check and before parallelization (LoRA injection). Without ``mesh_context`` the model is filled whole on the
     CPU.
     """
-    if (checkpoint is None) == (weights is None):
-        raise ValueError("load_parallelized needs exactly one of `checkpoint` and `weights`.")
+    if sum(source is not None for source in (checkpoint, weights, init_seed)) != 1:
+        raise ValueError("load_parallelized needs exactly one of `checkpoint`, `weights` and `init_seed`.")
     plan = None
     if checkpoint is not None:
         plan = plan_checkpoint(
@@ -98,8 +105,10 @@ def load_parallelized(
     recompute = non_persistent_buffer_names(inner) & allocated
     if plan is not None:
         report = load_checkpoint(inner, plan, progress=progress, recompute=recompute)
-    else:
+    elif weights is not None:
         report = _fill_from_weights(inner, weights)
+    else:
+        report = _initialize_all(inner, init_seed, recompute)
     install_loaded_weights(model)
     return Loaded(model, report)
 
@@ -112,6 +121,13 @@ def _fill_from_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) ->
             if name in weights and name not in sources:
                 buffer.copy_(weights[name])
     return LoadReport(loaded=loaded)
+
+
+def _initialize_all(model: nn.Module, seed: int, recompute: set[str]) -> LoadReport:
+    names = {name for name, _ in state_tensors(model)} | recompute
+    start = time.perf_counter()
+    initialize_missing(model, names, seed=seed)
+    return LoadReport(initialized=sorted(names), seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes())
 
 
 def transformers_model(model: nn.Module) -> nn.Module:

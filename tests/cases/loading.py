@@ -65,12 +65,12 @@ def _config(checkpoint: str):
 
 
 def from_config_matches_seed(layout: dict[str, Any], architecture: str, seed: int) -> dict[str, Any]:
-    """``from_config(config, seed=s)`` weights equal plain transformers' after ``torch.manual_seed(s)``."""
+    """``from_config(config, seed=s, init="exact")`` weights equal plain transformers' after ``torch.manual_seed(s)``."""
     from tests.tiny_models import tiny_config
 
     config = tiny_config(architecture)
     context = MeshContext.build(**layout)
-    model = NeMoAutoModelForCausalLM.from_config(config, mesh_context=context, seed=seed)
+    model = NeMoAutoModelForCausalLM.from_config(config, mesh_context=context, seed=seed, init="exact")
     torch.manual_seed(seed)
     reference = AutoModelForCausalLM.from_config(config)
     ref = dict(reference.named_parameters())
@@ -82,6 +82,26 @@ def from_config_matches_seed(layout: dict[str, Any], architecture: str, seed: in
         name: (b - dict(reference.named_buffers())[name]).abs().max().item() for name, b in model.named_buffers()
     }
     return {"weights": max(diffs.values()), "buffers": max(buffers.values(), default=0.0), "count": len(diffs)}
+
+
+def from_config_weights(layout: dict[str, Any] | None, architecture: str, seed: int) -> dict[str, Any] | None:
+    """``from_config(config, seed=s)`` (the default per-module init) for ``layout`` (None: one process): on rank 0,
+    every parameter and buffer as a full tensor, and what stayed on the meta device."""
+    import torch.distributed as dist
+
+    from automodel.distributed.runtime import full_tensor
+    from tests.tiny_models import tiny_config
+
+    context = MeshContext.build(**layout) if layout is not None else None
+    model = NeMoAutoModelForCausalLM.from_config(tiny_config(architecture), mesh_context=context, seed=seed)
+    tensors = {name: full_tensor(t).detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return {
+        "tensors": tensors,
+        "sharded": sum(isinstance(p, DTensor) for p in model.parameters()),
+        "on_meta": [name for name, t in tensors.items() if t.is_meta],
+    }
 
 
 def greedy_completions(
