@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -34,7 +36,18 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: floa
     processes = [context.Process(target=target, args=(rank, world, port, *args, results)) for rank in range(world)]
     for process in processes:
         process.start()
-    rows = sorted((results.get(timeout=timeout) for _ in range(world)), key=lambda row: row[0])
+    rows, deadline = [], time.monotonic() + timeout
+    while len(rows) < world:
+        try:
+            rows.append(results.get(timeout=5))
+        except queue.Empty:
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(
+                    f"a benchmark rank failed (exit codes {failed}) or timed out; see its traceback above"
+                ) from None
     for process in processes:
         process.join(timeout=60)
-    return [row[1] for row in rows]
+    return [row[1] for row in sorted(rows, key=lambda row: row[0])]

@@ -25,8 +25,7 @@ from transformers import PreTrainedModel
 
 from automodel._compat.transformers import guard_torch_init_functions, mark_initialized
 
-from .placements import local_indices
-from .sources import select
+from .placements import local_indices, to_runs
 
 __all__ = ["initialize_missing", "local_view", "module_seed", "non_persistent_buffer_names"]
 
@@ -96,10 +95,22 @@ def _initialize_module(owner: nn.Module, module: nn.Module, names: set[str]) -> 
         for name in names:
             store, original = originals[name]
             full = store[name]
-            local_view(original).copy_(select(full.detach(), local_indices(original)))
+            local_view(original).copy_(_local_part(full.detach(), local_indices(original)))
     finally:
         for name, (store, original) in originals.items():
             store[name] = original
+
+
+def _local_part(full: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
+    """``full[ix_(indices)]``: a view where each dim's indices are one contiguous run (the usual shard), so no copy
+    of the slice is made next to the full-size temporary; an index copy otherwise."""
+    for dim, dim_indices in enumerate(indices):
+        runs = to_runs(dim_indices)
+        if len(runs) == 1:
+            full = full.narrow(dim, runs[0][0], runs[0][1] - runs[0][0])
+        else:
+            full = full.index_select(dim, dim_indices)
+    return full
 
 
 def _init_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
