@@ -105,6 +105,9 @@ class TrainSection:
     eval_every_steps: int = 0
     # Peak dense TFLOP/s of one device (e.g. 989 for an H100 in bf16): the log then shows MFU.
     peak_tflops: float | None = None
+    # "chunked": the head and cross-entropy over chunks of loss_chunk_size tokens, never the full logits.
+    loss: Literal["model", "chunked"] = "model"
+    loss_chunk_size: int = 1024
 
 
 @dataclass(frozen=True)
@@ -340,7 +343,7 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError("model.path is required: a hub id or a local checkpoint directory.")
     if not config.data.path:
         raise ConfigError("data.path is required: a JSONL file, a folder of them, or a local dataset.")
-    for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len"):
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "loss_chunk_size"):
         if getattr(train, key) < 1:
             raise ConfigError(f"train.{key}={getattr(train, key)} must be at least 1.")
     if train.global_batch_size % train.micro_batch_size:
@@ -364,6 +367,8 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be > 0 (one device's peak), or null.")
     if train.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.tensorboard_dir needs the tensorboard package: pip install tensorboard.")
+    if train.loss == "chunked" and config.layout.strategy == "megatron_fsdp":
+        raise ConfigError("train.loss=chunked runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
     _validate_lora(config)
     if config.checkpoint.every_steps < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1.")

@@ -29,6 +29,7 @@ from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_c
 from .config import RecipeConfig
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
+from .loss import LossFunction, ModelLoss, make_loss
 from .metrics import flops_per_token, model_flops_utilization
 from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedule
 from .packing import check_packed_attention
@@ -145,8 +146,16 @@ def _valid_targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != -100).sum()
 
 
-def train_step(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], context: MeshContext) -> torch.Tensor:
+def train_step(
+    model: nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    context: MeshContext,
+    loss_fn: LossFunction | None = None,
+) -> torch.Tensor:
     """Forward and backward over this rank's micro batches; returns the step's global mean token loss.
+
+    ``loss_fn(model, inputs, num_items_in_batch)`` computes a micro batch's loss (default: the model's own; see
+    ``automodel.training.loss`` for the chunked cross-entropy).
 
     Each micro batch's loss is its token-loss sum divided by (the step's valid tokens over all data-parallel ranks /
     the ranks gradients are averaged over), so the averaged gradient is the mean over every token of the global
@@ -162,7 +171,7 @@ def train_step(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], c
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         inputs = model_inputs(batch, context, device)
-        loss = model(**inputs, num_items_in_batch=num_items).loss
+        loss = (loss_fn or ModelLoss())(model, inputs, num_items)
         loss.backward()
         total += loss.detach()
     dist.all_reduce(total, group=context.mesh("dp_cp").get_group())
@@ -224,6 +233,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     validation = _validation_set(config, tokenizer)
     optimizer = make_optimizer(model, train)
     scheduler = make_scheduler(optimizer, train)
+    loss_fn = make_loss(train.loss, train.loss_chunk_size)
     result = TrainResult()
     resume = latest_checkpoint(config.checkpoint.dir)
     if resume is not None:
@@ -253,7 +263,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     for step in bar:
         start = time.perf_counter()
         micro_batches = loader.next_global_batch()
-        loss = train_step(model, micro_batches, context)
+        loss = train_step(model, micro_batches, context, loss_fn)
         norm = clip_grad_norm(model.parameters(), train.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
