@@ -19,7 +19,8 @@ CHUNK = 5  # divides neither the sequence nor the valid tokens: uneven chunks on
 
 def packed_micro_batches(context: MeshContext, *, rows: int = 8, seq_len: int = 16) -> list[dict[str, torch.Tensor]]:
     """This rank's micro batches (of 2) of a global batch of packed sequences: examples of random lengths whose
-    prompt tokens carry no loss, concatenated to ``seq_len`` and padded (``pack_examples``)."""
+    prompt tokens carry no loss, concatenated to ``seq_len`` and padded (``pack_examples``), with the
+    ``position_ids`` that restart per packed example (each example attends only to itself)."""
     generator = torch.Generator().manual_seed(5)
     examples = []
     for _ in range(rows * 3):
@@ -30,10 +31,15 @@ def packed_micro_batches(context: MeshContext, *, rows: int = 8, seq_len: int = 
     packed = pack_examples(examples, seq_len, pad_id=0)[:rows]
     input_ids = torch.tensor([example.input_ids for example in packed])
     labels = torch.tensor([example.labels for example in packed])
+    positions = torch.tensor([example.position_ids for example in packed])
     per_rank = rows // context.dp_size
     start = context.mesh("dp").get_local_rank() * per_rank
     mine = slice(start, start + per_rank)
-    return [{"input_ids": input_ids[mine][i : i + 2], "labels": labels[mine][i : i + 2]} for i in range(0, per_rank, 2)]
+    return [
+        {"input_ids": ids[i : i + 2], "labels": targets[i : i + 2], "position_ids": where[i : i + 2]}
+        for ids, targets, where in [(input_ids[mine], labels[mine], positions[mine])]
+        for i in range(0, per_rank, 2)
+    ]
 
 
 def chunked_loss_parity(layout: dict[str, Any], architecture: str, **config: Any) -> dict[str, Any]:
