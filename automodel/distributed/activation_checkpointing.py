@@ -112,6 +112,21 @@ def _selective_contexts(
     return _nested(save_forward, record), _nested(save_recompute, replay)
 
 
+def _compiled_contexts(selective: bool, replay_routing: bool) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` of a checkpoint inside a compiled block: torch.compile takes only selective-checkpoint
+    contexts, so both modes become a policy there ("full": save nothing but the routing top-k; "selective": the matmuls
+    too). A compiled graph is functional, so saving the top-k no longer conflicts with the router's in-place
+    normalisation, and the recomputation gets the saved routing decisions as in eager mode."""
+    saved = (_SAVED_OPS if selective else set()) | (_ROUTING_OPS if replay_routing else set())
+    if not saved:
+        return noop_context_fn
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
 def checkpoint_module(module: nn.Module, *, selective: bool = False, replay_routing: bool = True) -> nn.Module:
     """Recompute ``module``'s forward during backward (``selective``: only what the policy does not save).
 
@@ -138,7 +153,8 @@ def checkpoint_module(module: nn.Module, *, selective: bool = False, replay_rout
                 kwargs[name] = None
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
+        contexts = _compiled_contexts(selective, replay_routing) if torch.compiler.is_compiling() else context_fn
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs)
 
     module.forward = forward
     module._automodel_checkpointed = True

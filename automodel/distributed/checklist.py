@@ -1,6 +1,6 @@
 """The one parallelization flow. Every path runs the same steps, in the same order:
 
-    TP (expert rules dropped under EP) -> EP -> CP -> activation checkpointing -> trainability -> shard
+    TP (expert rules dropped under EP) -> EP -> CP -> activation checkpointing -> compile -> trainability -> shard
 
 where the shard step is FSDP2 units (the experts first, over ``ep_shard``, under EP; then the dense units), DDP, or
 Megatron-FSDP. Each step is a plain function of the resolved inputs and returns one line saying what it did (or
@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from automodel._compat.torch import fsdp_state
 
 from .activation_checkpointing import apply_activation_checkpointing
+from .compile import check_compile, compile_blocks
 from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "activation_checkpointing_step",
+    "compile_step",
+    "validate_compile",
     "context_parallel_step",
     "expert_parallel_step",
     "plan_tensor_parallel",
@@ -129,6 +132,21 @@ def activation_checkpointing_step(
     targets = apply_activation_checkpointing(model, mode, full_layers=full_layers, replay_routing=replay_routing)
     unit = "whole blocks" if full_layers else f"modules of {len(decoder_layers(model))} blocks"
     return f"AC {mode} on {len(targets)} {unit}"
+
+
+def validate_compile(context: MeshContext) -> None:
+    """Raise, before anything is touched, where ``context.compile`` cannot apply (EP, Megatron-FSDP, no C++ compiler
+    for inductor on CPU)."""
+    if context.compile:
+        check_compile(context)
+
+
+def compile_step(model: nn.Module, enabled: bool) -> str | None:
+    """``torch.compile`` each decoder block's forward (with the TP transforms and checkpoint wrappers inside it),
+    before sharding, so FSDP2's hooks stay around the compiled forward."""
+    if not enabled:
+        return None
+    return f"compile: {compile_blocks(model)} blocks (torch.compile, compiled at the first forward)"
 
 
 def trainability_step(

@@ -41,6 +41,12 @@ def _normalize_activation_checkpointing(value: bool | str) -> ActivationCheckpoi
     raise ValueError(f"activation_checkpointing={value!r} is not a mode: use False, True, 'full' or 'selective'.")
 
 
+def _check_flag(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False.")
+    return value
+
+
 def _ensure_process_group() -> None:
     """Use the initialised default process group, or start one from the torchrun environment."""
     if dist.is_initialized():
@@ -165,8 +171,9 @@ class MeshContext:
     """The sole runtime input of ``ModelParallelizer.parallelize``.
 
     Holds the resolved meshes (sizes are read from them, never stored twice) and the policy: the strategy config,
-    the MoE config, sequence parallelism, the activation-checkpointing mode and the trainability callback that
-    re-freezes parameters after activation checkpointing has wrapped modules and before FSDP groups them.
+    the MoE config, sequence parallelism, the activation-checkpointing mode, the trainability callback that
+    re-freezes parameters after activation checkpointing has wrapped modules and before FSDP groups them, and whether
+    each decoder block is compiled (``torch.compile``, after TP and activation checkpointing, before sharding).
 
     Build one with :meth:`build` (from sizes, the usual way) or :meth:`from_meshes` (from meshes a caller built).
     """
@@ -178,6 +185,7 @@ class MeshContext:
     sequence_parallel: bool = False
     activation_checkpointing: ActivationCheckpointing = False
     reapply_trainability: Callable[[nn.Module], None] | None = None
+    compile: bool = False
     flattened: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -193,6 +201,7 @@ class MeshContext:
         activation_checkpointing: bool | str = False,
         moe: MoEConfig | None = None,
         reapply_trainability: Callable[[nn.Module], None] | None = None,
+        compile: bool = False,
     ) -> MeshContext:
         """Resolve a layout over all ranks of the default process group (started from torchrun's env if needed).
 
@@ -215,6 +224,7 @@ class MeshContext:
             sequence_parallel=sequence_parallel,
             activation_checkpointing=mode,
             reapply_trainability=reapply_trainability,
+            compile=_check_flag("compile", compile),
             flattened=flattened,
         )
 
@@ -229,6 +239,7 @@ class MeshContext:
         sequence_parallel: bool = False,
         activation_checkpointing: bool | str = False,
         reapply_trainability: Callable[[nn.Module], None] | None = None,
+        compile: bool = False,
     ) -> MeshContext:
         """Wrap meshes a caller built. Missing dense axes get size 1; unknown axis names are rejected.
 
@@ -267,6 +278,7 @@ class MeshContext:
             sequence_parallel=sequence_parallel,
             activation_checkpointing=_normalize_activation_checkpointing(activation_checkpointing),
             reapply_trainability=reapply_trainability,
+            compile=_check_flag("compile", compile),
             flattened=flattened,
         )
 

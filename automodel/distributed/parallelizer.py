@@ -3,7 +3,7 @@
 ``parallelize(model, mesh_context)`` is the only public operation. Every path runs one flow, written once in
 ``_apply`` (the steps are the functions of ``checklist.py``):
 
-    TP (expert rules dropped under EP) -> EP -> CP -> activation checkpointing -> trainability -> shard
+    TP (expert rules dropped under EP) -> EP -> CP -> activation checkpointing -> compile -> trainability -> shard
 
 and the resolved context picks what each step does:
 
@@ -98,7 +98,8 @@ class ModelParallelizer:
         **kwargs: Any,
     ) -> nn.Module:
         """The whole flow, on every path: TP (+SP; expert rules dropped under EP) -> EP -> CP -> activation
-        checkpointing -> trainability -> shard (FSDP2 units, DDP or Megatron-FSDP).
+        checkpointing -> compile (``mesh_context.compile``) -> trainability -> shard (FSDP2 units, DDP or
+        Megatron-FSDP).
 
         Override to surround or replace it for one model, and call ``super()._apply(...)`` to keep the ordering; the
         override runs on every path, so refusals and policies it adds hold everywhere. ``kwargs`` carries the
@@ -108,6 +109,7 @@ class ModelParallelizer:
         tp_mesh = device_mesh[tp_mesh_name]
         # Everything that can refuse runs first, so a refusal leaves the model untouched.
         expert_names = checklist.validate_expert_parallel(model, context)
+        checklist.validate_compile(context)
         tp_plan = checklist.plan_tensor_parallel(self, model, tp_mesh, tp_shard_plan, expert_names)
         requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
 
@@ -118,6 +120,7 @@ class ModelParallelizer:
         done.append(checklist.context_parallel_step(model, device_mesh["cp"]))
         replay_routing = kwargs.get("save_router_decisions", context.moe.save_router_decisions)
         done.append(checklist.activation_checkpointing_step(self, model, activation_checkpointing, replay_routing))
+        done.append(checklist.compile_step(model, context.compile))
         done.append(checklist.trainability_step(model, requires_grad, reapply_trainability))
         model, sharded = checklist.shard_step(
             self,

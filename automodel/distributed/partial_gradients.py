@@ -9,7 +9,8 @@ Which modules do is decided from the data flow, at the first forward with gradie
 sharded-output styles (and of every module computing on them) are recorded by storage, and a replicated module whose
 input is one of them gets its parameters' gradients summed over TP from then on (rank 0 logs which). A module whose
 input is replicated (a norm before a colwise projection) is left alone. The detection hooks are removed after that
-forward.
+forward; they run eagerly in compiled blocks (``torch.compiler.disable``: storages cannot be traced), so the first
+forward of a compiled model breaks its graphs where they sit, and the blocks are compiled again without them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class _Detection:
         self.consumers: dict[nn.Module, bool] = {}  # module -> whether its input was sharded in this call
         self.reduced: list[str] = []
 
+    @torch.compiler.disable
     def record_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
             self._record(output)
@@ -76,6 +78,7 @@ class _Detection:
         self.sharded.update(tensor.untyped_storage().data_ptr() for tensor in tensors)
 
     def check_inputs(self, name: str) -> Callable[..., None]:
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if not torch.is_grad_enabled():
                 return
@@ -90,12 +93,14 @@ class _Detection:
 
         return hook
 
+    @torch.compiler.disable
     def propagate(self, module: nn.Module, args: Any, output: Any) -> None:
         """A module computing on sharded features produces sharded features (an activation, a norm, a reshape)."""
         if torch.is_grad_enabled() and self.consumers.pop(module, False):
             self._record(output)
 
     def finish(self, handles: list[Any], model_name: str) -> Callable[..., None]:
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():
                 return

@@ -254,6 +254,10 @@ def _hand_back_owned_outputs(module: nn.Module) -> None:
     forward = module.forward
 
     def owned(tensor: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # In a compiled block AOTAutograd functionalizes in-place updates of views: nothing to hand back (and
+            # `_is_view` cannot be traced).
+            return tensor
         return _Owned.apply(tensor) if is_to_local_view(tensor) else tensor
 
     def forward_with_owned_outputs(*args: Any, **kwargs: Any) -> Any:
@@ -286,6 +290,7 @@ class ReplicatedWithGradAllReduceOnce(ReplicatedWithGradAllReduce):
         return module
 
     @classmethod
+    @torch.compiler.disable  # registers hooks: runs eagerly (a graph break) inside a compiled block
     def hook_parameters(cls, module: nn.Module, mesh: DeviceMesh) -> None:
         """Sum the gradients of ``module``'s own trainable parameters over ``mesh``, each once: on the parameter when
         it is a leaf, on the local tensor a replica is computed with otherwise (``replicate_on_mesh``)."""

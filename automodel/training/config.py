@@ -67,6 +67,9 @@ class LayoutSection:
     sequence_parallel: bool = False
     activation_checkpointing: Literal[False, True, "full", "selective"] = False
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    # torch.compile each decoder block (after TP and activation checkpointing, before FSDP2); not with EP or
+    # Megatron-FSDP.
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -367,6 +370,11 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be > 0 (one device's peak), or null.")
     if train.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.tensorboard_dir needs the tensorboard package: pip install tensorboard.")
+    if config.layout.compile and (config.layout.ep_size > 1 or config.layout.strategy == "megatron_fsdp"):
+        raise ConfigError(
+            "layout.compile=true compiles decoder blocks with layout.strategy=fsdp2 or ddp and ep_size=1 (the expert "
+            "all-to-all breaks a block's graph at every exchange; Megatron-FSDP swaps its buffers in outside it)."
+        )
     if train.loss == "chunked" and config.layout.strategy == "megatron_fsdp":
         raise ConfigError("train.loss=chunked runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
     _validate_lora(config)

@@ -80,6 +80,7 @@ def build_mesh_context(config: RecipeConfig) -> MeshContext:
         ep_size=layout.ep_size,
         sequence_parallel=layout.sequence_parallel,
         activation_checkpointing=layout.activation_checkpointing,
+        compile=layout.compile,
     )
 
 
