@@ -1,12 +1,22 @@
-"""SFT step throughput on N CPU ranks: this project's training step vs a plain AdamW loop over transformers' own
-FSDP2 model vs a floor, in one run.
+"""SFT step throughput and peak step memory on N CPU ranks: this project's training step (plain, with compiled
+blocks, with the chunked loss) vs a plain AdamW loop over transformers' own FSDP2 model vs a floor, in one run.
 
-    python benchmarks/train.py --nproc 2
+    python benchmarks/train.py --nproc 2                      # throughput, with and without layout.compile
+    python benchmarks/train.py --nproc 2 --scenario memory    # peak step memory, with and without the chunked loss
 
 A random Llama (about 40 M parameters) is saved once. Every contender starts N fresh gloo ranks, loads it, and runs
 ``--warmup`` + ``--steps`` optimizer steps on the same random token batches: ``--global-batch`` sequences of
 ``--seq`` tokens per step, ``--micro-batch`` per forward (gradient accumulation), gradient clipping at 1.0, AdamW.
-Reported: global tokens/s of the median step and the ratio to the floor.
+Reported: global tokens/s of the median step and the ratio to the floor, and each rank's peak resident-memory
+growth during a step (the kernel's peak counter reset right before the step, minus the resident memory then; the
+worst step of the worst rank).
+
+Scenarios:
+
+- ``throughput`` (default): the 40 M Llama (vocabulary 8192), 8 x 256 tokens per step in micro batches of 2;
+- ``memory``: a tiny Llama with Llama 3's 128k vocabulary (hidden 128, 2 layers), one sequence of 2048 tokens per
+  rank per step, where the logits (2048 x 128256 fp32 = 1 GB per sequence, and as much again for their gradient)
+  dominate the step's memory.
 
 Contenders:
 
@@ -15,6 +25,10 @@ Contenders:
 - ``automodel``: ``NeMoAutoModelForCausalLM.from_pretrained(dir, mesh_context=MeshContext.build("fsdp2"))`` trained
   with ``automodel.training`` (``train_step``: token-weighted loss over the global batch, gradient sync on the last
   micro batch only; ``clip_grad_norm``; AdamW);
+- ``automodel+compile``: the same with ``MeshContext.build("fsdp2", compile=True)`` (each decoder block
+  ``torch.compile``d; inductor compiles during the warm-up steps);
+- ``automodel+chunked``: the same with ``train.loss: chunked`` (``ChunkedCrossEntropy``, 1024-token chunks by
+  default: ``--chunk``);
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=N))``
   with the plain loop (``loss / accumulation``, backward per micro batch, ``torch.nn.utils.clip_grad_norm_``, AdamW).
   transformers' ``Trainer`` is no peer here: its FSDP2 falls back to DDP on CPU.
@@ -28,32 +42,62 @@ import statistics
 import time
 from pathlib import Path
 
+from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from _ranks import init_rank, run_ranks
 
-CONTENDERS = ("floor", "automodel", "transformers")
+AUTOMODEL_OPTIONS = ("compile", "chunked")
+
+# Per scenario: the model, the batch and the contenders compared in one run.
+SCENARIOS = {
+    "throughput": {
+        "model": dict(
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=8192,
+            max_position_embeddings=1024,
+        ),
+        "batch": dict(global_batch=8, micro_batch=2, seq=256, warmup=2, steps=5),
+        "contenders": "floor,automodel,automodel+compile,transformers",
+    },
+    "memory": {
+        "model": dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128256,
+            max_position_embeddings=2048,
+        ),
+        "batch": dict(global_batch=None, micro_batch=1, seq=2048, warmup=1, steps=2),
+        "contenders": "automodel,automodel+chunked",
+    },
+}
 
 
-def make_checkpoint(directory: Path) -> Path:
-    """A random fp32 Llama (about 40 M parameters), saved once."""
+def make_checkpoint(directory: Path, shape: dict) -> Path:
+    """A random fp32 Llama of ``shape``, saved once per directory."""
     if (directory / "config.json").is_file():
         return directory
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        "llama",
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=8192,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
+    config = AutoConfig.for_model("llama", **shape, tie_word_embeddings=False)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
     return directory
+
+
+def parse_contender(name: str) -> tuple[str, set[str]]:
+    """``"automodel+compile+chunked"`` -> ``("automodel", {"compile", "chunked"})``; options only for automodel."""
+    base, *options = name.split("+")
+    unknown = set(options) - set(AUTOMODEL_OPTIONS) if base == "automodel" else set(options)
+    if base not in ("floor", "automodel", "transformers") or unknown:
+        raise SystemExit(f"unknown contender {name!r}: floor, transformers, or automodel[+compile][+chunked]")
+    return base, set(options)
 
 
 def _batches(args: dict, rank: int, dp_size: int, vocab: int, step: int):
@@ -82,23 +126,26 @@ def _rank_main(rank: int, world: int, port: int, contender: str, directory: str,
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    if contender == "automodel":
+    base, options = parse_contender(contender)
+    if base == "automodel":
         from automodel import MeshContext, NeMoAutoModelForCausalLM
         from automodel.training.loop import train_step
+        from automodel.training.loss import make_loss
         from automodel.training.optim import clip_grad_norm
 
-        context = MeshContext.build("fsdp2")
+        context = MeshContext.build("fsdp2", compile="compile" in options)
         model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context)
+        loss_fn = make_loss("chunked" if "chunked" in options else "model", args["chunk"])
 
         def step_fn(micro_batches):
-            train_step(model, micro_batches, context)
+            train_step(model, micro_batches, context, loss_fn)
             clip_grad_norm(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
     else:
         kwargs = {}
-        if contender == "transformers":
+        if base == "transformers":
             from transformers.distributed import DistributedConfig
 
             kwargs["distributed_config"] = DistributedConfig(fsdp_size=world)
@@ -109,47 +156,77 @@ def _rank_main(rank: int, world: int, port: int, contender: str, directory: str,
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
-    times = []
+    times, peaks = [], []
     for step in range(args["warmup"] + args["steps"]):
         micro_batches = _batches(args, rank, world, model.config.vocab_size, step)
         dist.barrier()
+        reset_peak_rss()
+        before = rss_bytes()
         start = time.perf_counter()
         step_fn(micro_batches)
         dist.barrier()
         if step >= args["warmup"]:
             times.append(time.perf_counter() - start)
-    results.put((rank, statistics.median(times)))
+            peaks.append(peak_rss_bytes() - before)
+    results.put((rank, (statistics.median(times), max(peaks))))
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="throughput")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
-    parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "automodel-train-bench")
+    parser.add_argument("--global-batch", type=int, help="sequences per step (default: 8; memory: one per rank)")
+    parser.add_argument("--micro-batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the chunked loss")
+    parser.add_argument("--contenders", help="comma-separated: floor, transformers, automodel[+compile][+chunked]")
+    parser.add_argument("--dir", type=Path, help="where the random checkpoint is saved (once)")
     options = parser.parse_args()
-    directory = make_checkpoint(options.dir)
-    args = {"global_batch": options.global_batch, "micro_batch": options.micro_batch, "seq": options.seq}
-    args.update(warmup=options.warmup, steps=options.steps)
-    tokens = options.global_batch * options.seq
+    scenario = SCENARIOS[options.scenario]
+    args = dict(scenario["batch"], chunk=options.chunk)
+    for key in ("global_batch", "micro_batch", "seq", "warmup", "steps"):
+        if getattr(options, key) is not None:
+            args[key] = getattr(options, key)
+    args["global_batch"] = args["global_batch"] or options.nproc * args["micro_batch"]
+    contenders = (options.contenders or scenario["contenders"]).split(",")
+    for contender in contenders:
+        parse_contender(contender)
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    directory = make_checkpoint(options.dir or tmp / f"automodel-train-bench-{options.scenario}", scenario["model"])
+    tokens = args["global_batch"] * args["seq"]
     rows = {}
-    for contender in options.contenders.split(","):
-        seconds = max(run_ranks(_rank_main, options.nproc, contender, str(directory), args))
-        rows[contender] = seconds
-        print(f"{contender}: {seconds:.3f} s/step, {tokens / seconds:.0f} tokens/s", flush=True)
-    floor = rows.get("floor")
+    for contender in contenders:
+        per_rank = run_ranks(_rank_main, options.nproc, contender, str(directory), args)
+        rows[contender] = (max(seconds for seconds, _ in per_rank), max(peak for _, peak in per_rank))
+        seconds, peak = rows[contender]
+        print(
+            f"{contender}: {seconds:.3f} s/step, {tokens / seconds:.0f} tokens/s, peak step growth {peak / 2**20:.0f} MiB",
+            flush=True,
+        )
     print(
-        f"\n{options.nproc} CPU ranks, {options.global_batch}x{options.seq} tokens per step, micro batch {options.micro_batch}"
+        f"\n{options.scenario}: {options.nproc} CPU ranks, {args['global_batch']}x{args['seq']} tokens per step, "
+        f"micro batch {args['micro_batch']}, vocabulary {scenario['model']['vocab_size']}"
     )
-    print(f"{'contender':<14} {'step s':>8} {'tokens/s':>10} {'vs floor':>9}")
-    for contender, seconds in rows.items():
-        ratio = f"{floor / seconds:9.2f}" if floor else "        -"
-        print(f"{contender:<14} {seconds:8.3f} {tokens / seconds:10.0f} {ratio}")
+    reference = "floor" if "floor" in rows else contenders[0]
+    ref_seconds, ref_peak = rows[reference]
+    print(
+        f"{'contender':<26} {'step s':>8} {'tokens/s':>10} {'x ' + reference:>12} {'peak MiB':>9} {'x ' + reference:>12}"
+    )
+    for contender, (seconds, peak) in rows.items():
+        print(
+            f"{contender:<26} {seconds:8.3f} {tokens / seconds:10.0f} {ref_seconds / seconds:12.2f} "
+            f"{peak / 2**20:9.0f} {peak / ref_peak:12.2f}"
+        )
+    for option in AUTOMODEL_OPTIONS:
+        if "automodel" in rows and f"automodel+{option}" in rows:
+            (plain_s, plain_peak), (with_s, with_peak) = rows["automodel"], rows[f"automodel+{option}"]
+            print(
+                f"automodel+{option} vs automodel: tokens/s x {plain_s / with_s:.2f}, peak step memory x "
+                f"{with_peak / plain_peak:.2f}"
+            )
 
 
 if __name__ == "__main__":

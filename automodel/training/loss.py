@@ -230,6 +230,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = nn.functional.linear(chunk, weight, bias).float()
             chunk_loss, grad_logits = _chunk_cross_entropy(logits, local_targets[rows], vocab.group, needs_grad)
             total += chunk_loss
+            del logits  # the chunk's logits live in grad_logits now (in place); freed before the next chunk's
             if grad_logits is None:
                 continue
             grad_logits.mul_(scale)
@@ -237,6 +238,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
             grad_weight.addmm_(grad_logits.t(), chunk.float())
             grad_bias += grad_logits.sum(0)
+            del grad_logits
         if grad_hidden is not None and vocab.group is not None:
             dist.all_reduce(grad_hidden, group=vocab.group)
         ctx.save_for_backward(
