@@ -16,7 +16,12 @@ from typing import Any
 def init_rank(rank: int, world: int, port: int) -> None:
     """The torchrun environment and a gloo process group for ``rank``, one intra-op thread per rank."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
     )
     import torch
     import torch.distributed as dist

@@ -1,9 +1,10 @@
-"""Load-time and host-memory benchmark: this project vs transformers vs the floor, on N CPU ranks, in one run.
+"""Load-time and host-memory benchmark: this project vs transformers vs a copying floor, on N CPU ranks, in one run.
 
-    python benchmarks/load.py --nproc 4 --size-gb 1.0
+    python benchmarks/load.py --nproc 4 --size-gb 1.0 --repeats 3
+    python benchmarks/load.py --nproc 4 --sweep 0.5,1,2 --repeats 3     # time against checkpoint size
 
-Generates (once) a random Llama checkpoint of about ``--size-gb`` GB in safetensors shards, warms the page cache,
-then for each contender starts N fresh gloo ranks and measures, on every rank:
+Generates (once per size) a random fp32 Llama checkpoint of about ``--size-gb`` GB in 500 MB safetensors shards,
+warms the page cache, then for each contender starts N fresh gloo ranks and measures, on every rank:
 
 - **time**: the load call plus one read of every local shard (so a lazy, memory-mapped load pays its I/O inside the
   timing); imports, process-group and mesh setup are outside it;
@@ -12,49 +13,38 @@ then for each contender starts N fresh gloo ranks and measures, on every rank:
 
 Contenders:
 
-- ``floor``: each rank reads only its 1/N of every tensor (``safe_open(...).get_slice``, dim-0 chunks) and keeps it;
+- ``floor``, the copying floor: each rank reads its 1/N of every tensor (FSDP2's dim-0 chunk, one contiguous region
+  of the file) into freshly allocated memory with one positioned read (``os.preadv``) per region, after parsing
+  the files' headers: the least any loader that owns its parameter memory must do;
+- ``mmap``: each rank keeps ``safe_open(...).get_slice`` views of its chunks (pages of a private memory map of the
+  file; no copy, the memory is not owned) -- the earlier floor, a reference only;
 - ``automodel``: ``NeMoAutoModelForCausalLM.from_pretrained(dir, mesh_context=MeshContext.build("fsdp2"))``;
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=N))``.
 
-The report gives each contender's worst rank and its ratio to the floor measured in the same run.
+The report gives each contender's worst rank (the median over ``--repeats`` runs) and its ratio to the copying floor
+measured in the same run. With ``--sweep`` every size is measured and each contender's time is fitted as
+``fixed + per_gb x size`` (least squares), with the largest deviation of a measured point from the line.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
+import struct
 import time
-from datetime import timedelta
 from pathlib import Path
 
-CONTENDERS = ("floor", "automodel", "transformers")
+from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from _ranks import init_rank, run_ranks
 
-
-def _rss_bytes() -> int:
-    return _status_kib("VmRSS") * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> None:
-    # Writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS (Linux >= 4.0).
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
+CONTENDERS = ("floor", "mmap", "automodel", "transformers")
+_MAX_READ = 1 << 30  # preadv moves at most ~2 GiB per call on Linux
 
 
 def make_checkpoint(directory: Path, size_gb: float) -> Path:
     """A random fp32 Llama of about ``size_gb`` GB, saved in 500 MB safetensors shards (skipped if present)."""
-    if (directory / "model.safetensors.index.json").is_file():
+    if (directory / "config.json").is_file() and _shard_files(directory):
         return directory
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -85,15 +75,50 @@ def _warm_page_cache(directory: Path) -> None:
                 pass
 
 
-def _load_floor(directory: Path):
+def _shard_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.safetensors"))
+
+
+def _load_copying_floor(directory: Path):
+    """Each rank's dim-0 chunk of every tensor, read with one ``os.preadv`` into a fresh tensor."""
+    import torch
+    import torch.distributed as dist
+
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = {}
+    for path in _shard_files(directory):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            header = json.loads(os.pread(fd, length, 8))
+            header.pop("__metadata__", None)
+            for key, entry in header.items():
+                shape, dtype = entry["shape"], dtypes[entry["dtype"]]
+                rows = shape[0] if shape else 1
+                chunk = -(-rows // world)
+                lo, hi = min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
+                out = torch.empty((hi - lo, *shape[1:]), dtype=dtype)
+                row_bytes = out[0].numel() * out.element_size() if hi > lo else 0
+                view = memoryview(out.view(-1).view(torch.uint8).numpy())
+                offset = 8 + length + entry["data_offsets"][0] + lo * row_bytes
+                done = 0
+                while done < view.nbytes:
+                    done += os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
+                shards[key] = out
+        finally:
+            os.close(fd)
+    return shards
+
+
+def _load_mmap_views(directory: Path):
     import torch.distributed as dist
     from safetensors import safe_open
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
     shards = {}
-    for filename in sorted(set(weight_map.values())):
-        with safe_open(str(directory / filename), framework="pt") as handle:
+    for path in _shard_files(directory):
+        with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 tensor = handle.get_slice(key)
                 rows = tensor.get_shape()[0]
@@ -105,8 +130,7 @@ def _load_floor(directory: Path):
 def _load_automodel(directory: Path):
     from automodel.auto_model import NeMoAutoModelForCausalLM
 
-    context = _load_automodel.context
-    return NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context, dtype="auto")
+    return NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=_load_automodel.context, dtype="auto")
 
 
 def _load_transformers(directory: Path):
@@ -120,6 +144,14 @@ def _load_transformers(directory: Path):
     )
 
 
+LOADERS = {
+    "floor": _load_copying_floor,
+    "mmap": _load_mmap_views,
+    "automodel": _load_automodel,
+    "transformers": _load_transformers,
+}
+
+
 def _local_tensors(loaded):
     from torch.distributed.tensor import DTensor
 
@@ -129,19 +161,10 @@ def _local_tensors(loaded):
 
 
 def _rank_main(rank: int, world: int, port: int, contender: str, directory: str, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+    init_rank(rank, world, port)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=20))
     # Imports stay outside the timed span, the model's own modeling module included.
     import transformers.models.llama.modeling_llama  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
@@ -151,69 +174,40 @@ def _rank_main(rank: int, world: int, port: int, contender: str, directory: str,
     from automodel.auto_model import NeMoAutoModelForCausalLM  # noqa: F401
 
     _load_automodel.context = MeshContext.build("fsdp2") if contender == "automodel" else None
-    loader = {"floor": _load_floor, "automodel": _load_automodel, "transformers": _load_transformers}[contender]
     dist.barrier()
-    before = _rss_bytes()
-    _reset_peak_rss()
+    before = rss_bytes()
+    reset_peak_rss()
     start = time.perf_counter()
-    loaded = loader(Path(directory))
+    loaded = LOADERS[contender](Path(directory))
     with torch.no_grad():
         checksum = sum(float(tensor.float().sum()) for tensor in _local_tensors(loaded))
     seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM") * 1024
+    peak = peak_rss_bytes()
     local_bytes = sum(t.numel() * t.element_size() for t in _local_tensors(loaded))
-    results.put((rank, seconds, peak - before, local_bytes, checksum))
+    results.put((rank, (seconds, peak - before, local_bytes, checksum)))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_contender(contender: str, directory: Path, world: int) -> dict:
-    """Start ``world`` fresh ranks for ``contender``; return its per-rank measurements."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    processes = [
-        context.Process(target=_rank_main, args=(rank, world, port, contender, str(directory), results))
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    rows = [results.get(timeout=1800) for _ in range(world)]
-    for process in processes:
-        process.join(timeout=60)
-    rows.sort()
+def measure(directory: Path, contenders: list[str], world: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Each contender's worst rank, median over ``repeats`` runs (contenders interleaved run by run, so that a burst
+    of load on the machine hits all of them alike)."""
+    runs: dict[str, list[list[tuple]]] = {contender: [] for contender in contenders}
+    for _ in range(repeats):
+        for contender in contenders:
+            _warm_page_cache(directory)
+            runs[contender].append(run_ranks(_rank_main, world, contender, str(directory)))
     return {
-        "seconds": [row[1] for row in rows],
-        "peak_growth": [row[2] for row in rows],
-        "local_bytes": [row[3] for row in rows],
+        contender: {
+            "seconds": statistics.median(max(row[0] for row in run) for run in rows),
+            "peak_growth": statistics.median(max(row[1] for row in run) for run in rows),
+            "local_bytes": max(row[2] for row in rows[0]),
+        }
+        for contender, rows in runs.items()
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--size-gb", type=float, default=1.0)
-    parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "automodel-load-bench")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per contender; the median is reported")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
-    args = parser.parse_args()
-
-    directory = make_checkpoint(args.dir, args.size_gb)
-    size = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
-    print(f"checkpoint: {directory} ({size / 1e9:.2f} GB), {args.nproc} CPU ranks, page cache warm")
-    measured = {}
-    for contender in args.contenders.split(","):
-        runs = []
-        for _ in range(args.repeats):
-            _warm_page_cache(directory)
-            runs.append(run_contender(contender, directory, args.nproc))
-        measured[contender] = {
-            "seconds": statistics.median(max(run["seconds"]) for run in runs),
-            "peak_growth": statistics.median(max(run["peak_growth"]) for run in runs),
-            "local_bytes": max(runs[0]["local_bytes"]),
-        }
+def print_table(measured: dict[str, dict[str, float]]) -> None:
     floor = measured.get("floor")
     print(f"{'contender':<14}{'time (s)':>10}{'x floor':>9}{'peak growth (MiB)':>20}{'x floor':>9}{'local (MiB)':>13}")
     for contender, row in measured.items():
@@ -221,8 +215,62 @@ def main() -> None:
         memory_ratio = row["peak_growth"] / floor["peak_growth"] if floor else float("nan")
         print(
             f"{contender:<14}{row['seconds']:>10.2f}{time_ratio:>9.2f}{row['peak_growth'] / 2**20:>20.0f}"
-            f"{memory_ratio:>9.2f}{row['local_bytes'] / 2**20:>13.0f}"
+            f"{memory_ratio:>9.2f}{row['local_bytes'] / 2**20:>13.0f}",
+            flush=True,
         )
+
+
+def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float, float]:
+    """Least-squares ``seconds = fixed + per_gb * size``; returns (fixed, per_gb, largest residual)."""
+    mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(seconds)
+    spread = sum((x - mean_x) ** 2 for x in sizes)
+    per_gb = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / spread
+    fixed = mean_y - per_gb * mean_x
+    residual = max(abs(y - (fixed + per_gb * x)) for x, y in zip(sizes, seconds, strict=True))
+    return fixed, per_gb, residual
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--sweep", help="comma-separated sizes in GB (e.g. 0.5,1,2): measure each and fit a line")
+    parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")), help="checkpoints' parent")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per contender; the median is reported")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    args = parser.parse_args()
+    contenders = args.contenders.split(",")
+    unknown = set(contenders) - set(CONTENDERS)
+    if unknown:
+        parser.error(f"unknown contenders {sorted(unknown)}: choose from {', '.join(CONTENDERS)}")
+    sizes = [float(size) for size in args.sweep.split(",")] if args.sweep else [args.size_gb]
+
+    by_size: dict[float, dict[str, dict[str, float]]] = {}
+    for size_gb in sizes:
+        directory = make_checkpoint(args.dir / f"automodel-load-bench-{size_gb:g}gb", size_gb)
+        size = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+        print(f"\ncheckpoint: {directory} ({size / 1e9:.2f} GB), {args.nproc} CPU ranks, page cache warm", flush=True)
+        by_size[size / 1e9] = measure(directory, contenders, args.nproc, args.repeats)
+        print_table(by_size[size / 1e9])
+    if len(by_size) < 2:
+        return
+    sizes_gb = list(by_size)
+    print(f"\ntime = fixed + per GB x size (least squares over {', '.join(f'{s:.2f}' for s in sizes_gb)} GB)")
+    print(f"{'contender':<14}{'fixed (s)':>10}{'s per GB':>10}{'max dev (s)':>13}  time at each size (s)")
+    for contender in contenders:
+        points = [by_size[size][contender]["seconds"] for size in sizes_gb]
+        fixed, per_gb, residual = fit_line(sizes_gb, points)
+        listing = ", ".join(f"{seconds:.2f}" for seconds in points)
+        print(f"{contender:<14}{fixed:>10.2f}{per_gb:>10.2f}{residual:>13.2f}  {listing}")
+    print("\npeak growth = fixed + per GB x size (MiB)")
+    print(f"{'contender':<14}{'fixed':>10}{'per GB':>10}{'max dev':>13}  peak growth at each size")
+    for contender in contenders:
+        points = [by_size[size][contender]["peak_growth"] / 2**20 for size in sizes_gb]
+        fixed, per_gb, residual = fit_line(sizes_gb, points)
+        listing = ", ".join(f"{mib:.0f}" for mib in points)
+        print(f"{contender:<14}{fixed:>10.1f}{per_gb:>10.1f}{residual:>13.1f}  {listing}")
 
 
 if __name__ == "__main__":
