@@ -1,0 +1,117 @@
+"""Rank-side cases for the vision-language and sequence-classification auto classes (run inside
+``tests.harness.RankPool`` workers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
+from transformers import AutoModelForImageTextToText, AutoModelForSequenceClassification
+
+from automodel.auto_model import NeMoAutoModelForImageTextToText, NeMoAutoModelForSequenceClassification
+from automodel.distributed import MeshContext, ModelParallelizer
+from automodel.distributed.model_structure import encoder_tower_blocks
+from tests.parity import compare_with_reference
+from tests.vlm_models import collate, vlm_examples
+
+
+def _local_examples(context: MeshContext, examples: list[dict]) -> list[dict]:
+    rows = len(examples) // context.dp_size
+    start = context.mesh("dp").get_local_rank() * rows
+    return examples[start : start + rows]
+
+
+def vlm_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """Load ``checkpoint`` parallelized for ``layout``; compare logits, loss and every gradient on image + text
+    examples with plain transformers in one process. Also report how the vision tower was parallelized."""
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForImageTextToText.from_pretrained(checkpoint, mesh_context=context).train()
+    reference = AutoModelForImageTextToText.from_pretrained(checkpoint).train()
+    examples = vlm_examples(reference.config)
+    local = collate(_local_examples(context, examples))
+    facts = {**_tower_facts(model, context), **_loading_facts(model, reference)}
+    return {**facts, **compare_with_reference(reference, model, context, collate(examples), local_batch=local)}
+
+
+def _tower_facts(model: torch.nn.Module, context: MeshContext) -> dict[str, Any]:
+    """Whether the vision blocks are FSDP units, are checkpointed, and are replicated over ``tp``."""
+    blocks = encoder_tower_blocks(model)
+    vision_params = [param for block in blocks for param in block.parameters()]
+    return {
+        "vision_blocks": len(blocks),
+        "vision_units": sum(isinstance(block, FSDPModule) for block in blocks),
+        "vision_checkpointed": sum(
+            any(getattr(module, "_automodel_checkpointed", False) for module in block.modules()) for block in blocks
+        ),
+        "vision_replicated_over_tp": all(
+            isinstance(param, DTensor) and _placement_on_tp(param) == Replicate() for param in vision_params
+        ),
+    }
+
+
+def _placement_on_tp(param: DTensor) -> Any:
+    """The placement of ``param`` on the ``tp`` axis of its mesh (``None`` when its mesh has none)."""
+    names = param.device_mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return None
+    return param.placements[names.index("tp")]
+
+
+def _loading_facts(model: torch.nn.Module, reference: torch.nn.Module) -> dict[str, Any]:
+    references = dict(reference.named_buffers())
+    return {
+        "on_meta": [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta],
+        "buffers": max(
+            ((b.float() - references[n].float()).abs().max().item() for n, b in model.named_buffers()), default=0.0
+        ),
+        "sharded": sum(isinstance(p, DTensor) for p in model.parameters()),
+        "training": model.training,
+    }
+
+
+def vlm_bytes_read_per_rank(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """How much of the checkpoint each rank reads (the loader's own accounting) against the total stored bytes and
+    what the rank stores."""
+    from transformers import AutoConfig
+
+    from automodel.loading import load_checkpoint, materialize, plan_checkpoint
+    from automodel.loading.checkpoint_files import open_checkpoint
+
+    context = MeshContext.build(**layout)
+    config = AutoConfig.from_pretrained(checkpoint)
+    model = NeMoAutoModelForImageTextToText._build_on_meta(config, torch.float32, None, False)
+    plan = plan_checkpoint(model, checkpoint)
+    model = ModelParallelizer().parallelize(model, context)
+    materialize(model, "cpu")
+    report = load_checkpoint(model, plan, progress=False)
+    files = open_checkpoint(checkpoint)
+    total = sum(files.read_slice(key, tuple(slice(0, n) for n in files.shape(key))).nbytes for key in files.keys())
+    local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
+    return {"read": report.bytes_read, "total": total, "local": local}
+
+
+def vlm_refusal(config_kwargs: dict[str, Any], architecture: str, layout: dict[str, Any]) -> str:
+    """The error parallelizing a tiny ``architecture`` for ``layout`` raises (on every rank), or ``""``."""
+    from tests.vlm_models import build_vlm, tiny_vlm_config
+
+    model = build_vlm(tiny_vlm_config(architecture, **config_kwargs))
+    try:
+        ModelParallelizer().parallelize(model, MeshContext.build(**layout))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def sequence_classification_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """``NeMoAutoModelForSequenceClassification`` against plain transformers: logits, loss, every gradient."""
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForSequenceClassification.from_pretrained(checkpoint, mesh_context=context).train()
+    reference = AutoModelForSequenceClassification.from_pretrained(checkpoint).train()
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 90, (4, 8), generator=generator)
+    ids[1, 6:] = reference.config.pad_token_id  # right padding: the score is read at the last real token
+    batch = {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 2])}
+    facts = {**_loading_facts(model, reference), "score_is_dtensor": isinstance(model.score.weight, DTensor)}
+    return {**facts, **compare_with_reference(reference, model, context, batch)}
