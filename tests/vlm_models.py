@@ -205,3 +205,84 @@ def vlm_examples(config: PretrainedConfig, count: int = 4, seed: int = 1, text_l
 def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     """The examples as one batch: every tensor concatenated along its first dimension."""
     return {key: torch.cat([example[key] for example in examples]) for key in examples[0]}
+
+
+# ------------------------------------------------------------------------------------------------ recipe checkpoint
+
+#: The words of the generated chat set (``write_image_chat_set``); the tiny tokenizer knows exactly these.
+COLOURS = {"red": (230, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 220)}
+_WORDS = ["what", "is", "in", "the", "picture", "a", "square", "it", "shows", *COLOURS]
+_SPECIAL = ["<unk>", "<pad>", "<|end|>", "<|user|>", "<|assistant|>", "<image>"]
+#: A template without generation markers: the recipe finds the assistant tokens itself.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' }}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}{{ '<image>' }}{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<|end|>' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def save_tiny_llava_with_processor(directory, seed: int = 0):
+    """A tiny random LLaVA and its processor (a word-level tokenizer with a chat template, and CLIP's image
+    processor at 16x16 pixels), saved for ``from_pretrained`` / ``AutoProcessor``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(_SPECIAL + _WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|end|>",
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<image>"],
+    )
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    model_type, values = VLM_ARCHITECTURES["llava"]
+    text = dict(values["text_config"], pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = tiny_vlm_config(
+        "llava",
+        text_config=dict(text, bos_token_id=None),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    build_vlm(config, seed=seed).save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def write_image_chat_set(folder, count: int = 16, seed: int = 0):
+    """``count`` chats asking what a generated 20x20 image shows (a coloured square, written as PNG beside the data,
+    referenced by relative path) and answering its colour; returns the JSONL file."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    folder = Path(folder)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = sorted(COLOURS)
+    lines = []
+    for index in range(count):
+        colour = names[index % len(names)]
+        pixels = np.clip(np.array(COLOURS[colour]) + rng.normal(0, 12, (20, 20, 3)), 0, 255).astype("uint8")
+        Image.fromarray(pixels).save(folder / "images" / f"{index}.png")
+        user = [{"type": "image", "path": f"images/{index}.png"}, {"type": "text", "text": "what is in the picture"}]
+        answer = [{"type": "text", "text": f"a {colour} square"}]
+        lines.append(
+            json.dumps({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+        )
+    path = folder / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path

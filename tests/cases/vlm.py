@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,3 +116,34 @@ def sequence_classification_parity(checkpoint: str, layout: dict[str, Any]) -> d
     batch = {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 2])}
     facts = {**_loading_facts(model, reference), "score_is_dtensor": isinstance(model.score.weight, DTensor)}
     return {**facts, **compare_with_reference(reference, model, context, batch)}
+
+
+def train_vlm(config_path: str, overrides: list[str]) -> dict[str, Any]:
+    """Run the SFT recipe on a vision-language checkpoint on every rank: the step losses, and (with an export) how
+    far the exported checkpoint, loaded by plain transformers, is from the trained model on an image + text chat."""
+    import torch.distributed as dist
+    from transformers import AutoProcessor
+
+    from automodel.training.config import load_config
+    from automodel.training.loop import run
+
+    config = load_config(config_path, overrides)
+    result = run(config)
+    facts: dict[str, Any] = {"losses": result.losses, "resumed_from": result.resumed_from}
+    if result.export_dir is None:
+        return facts
+    processor = AutoProcessor.from_pretrained(result.export_dir)
+    image = sorted((Path(config.data.path).parent / "images").glob("*.png"))[0]
+    chat = [{"role": "user", "content": [{"type": "image", "path": str(image)}, {"type": "text", "text": "what"}]}]
+    inputs = processor.apply_chat_template(chat, tokenize=True, return_dict=True, return_tensors="pt")
+    inputs.pop("attention_mask")
+    model = result.model.eval()
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    facts["processor"] = type(processor).__name__
+    if dist.get_rank() == 0:
+        plain = AutoModelForImageTextToText.from_pretrained(result.export_dir).eval()
+        with torch.no_grad():
+            facts["export_logits"] = (plain(**inputs).logits - logits).abs().max().item()
+    return facts
