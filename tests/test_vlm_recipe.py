@@ -50,3 +50,90 @@ def test_packing_is_refused_for_a_vision_language_model(ranks2, project):
 
     with pytest.raises(RankFailure, match="data.packing=true is not supported for vision-language models"):
         ranks2.run(train_vlm, str(project / "sft_vlm.yaml"), ["data.packing=true"])
+
+
+def test_labels_are_the_assistant_turns_and_never_image_placeholders(project):
+    from transformers import AutoProcessor
+
+    from automodel.training.data import IGNORE_INDEX, load_records
+    from automodel.training.vlm import resolve_image_paths, tokenize_vlm_sft
+
+    processor = AutoProcessor.from_pretrained(project / "tiny_llava")
+    data = project / "data" / "chats.jsonl"
+    records = load_records(data)
+    examples = tokenize_vlm_sft(resolve_image_paths(records, data), processor, seq_len=32)
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    for record, example in zip(records, examples, strict=True):
+        labelled = [token for token, label in zip(example.input_ids, example.labels, strict=True) if label != -100]
+        answer = record["messages"][1]["content"][0]["text"]
+        assert processor.tokenizer.decode(labelled) == f"{answer} <|end|>"
+        assert example.input_ids.count(image_token) == 16, "16 patches of the 16x16 image"
+        assert all(
+            label == IGNORE_INDEX
+            for token, label in zip(example.input_ids, example.labels, strict=True)
+            if token == image_token
+        )
+        assert tuple(example.media["pixel_values"].shape) == (1, 3, 16, 16)
+
+
+def test_images_only_in_some_records_are_refused(project, tmp_path):
+    from transformers import AutoProcessor
+
+    from automodel.training.vlm import tokenize_vlm_sft
+
+    processor = AutoProcessor.from_pretrained(project / "tiny_llava")
+    image = str(project / "data" / "images" / "0.png")
+    with_image = [{"type": "image", "path": image}, {"type": "text", "text": "what is in the picture"}]
+    chats = [
+        {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "a red square"}]}
+        for content in (with_image, "what is in the picture")
+    ]
+    with pytest.raises(ValueError, match="1 of 2 SFT records hold images"):
+        tokenize_vlm_sft(chats, processor, seq_len=32)
+
+
+def test_the_auto_class_follows_the_checkpoint(project, tmp_path):
+    from automodel.training.vlm import model_kind
+    from tests.tiny_models import build_model, tiny_llama_config
+
+    build_model(tiny_llama_config()).save_pretrained(tmp_path)
+    assert model_kind(str(project / "tiny_llava"), "auto") == "image_text_to_text"
+    assert model_kind(str(tmp_path), "auto") == "causal_lm"
+    assert model_kind(str(tmp_path), "image_text_to_text") == "image_text_to_text"
+
+
+def test_batches_concatenate_image_patches_and_grids_without_a_batch_dimension():
+    """Qwen2.5-VL's flattened patches and its grid / per-token tensors batch through the loader's collation: the
+    padded batch gives the model the same logits as the examples stacked by hand."""
+    import torch
+
+    from automodel.training.batches import DistributedBatchLoader
+    from automodel.training.data import Example
+    from tests.vlm_models import build_vlm, collate, tiny_vlm_config, vlm_examples
+
+    config = tiny_vlm_config("qwen2_5_vl")
+    examples = vlm_examples(config, count=4)
+    token_keys = ("mm_token_type_ids",)
+    converted = [
+        Example(
+            example["input_ids"][0].tolist(),
+            example["labels"][0].tolist(),
+            media={key: example[key] for key in ("pixel_values", "image_grid_thw")},
+            token_inputs={key: example[key][0].tolist() for key in token_keys},
+        )
+        for example in examples
+    ]
+    loader = DistributedBatchLoader(
+        converted, global_batch_size=4, micro_batch_size=4, dp_rank=0, dp_size=1, seq_len=12, pad_id=0
+    )
+    (batch,) = loader.next_global_batch()
+    assert tuple(batch["pixel_values"].shape) == (64, 96) and tuple(batch["image_grid_thw"].shape) == (4, 3)
+    assert tuple(batch["mm_token_type_ids"].shape) == (4, 12)
+    model = build_vlm(config).eval()
+    order = [ids.tolist() for ids in batch["input_ids"][:, :10]]
+    stacked = collate(sorted(examples, key=lambda example: order.index(example["input_ids"][0].tolist())))
+    batch.pop("num_tokens")
+    with torch.no_grad():
+        padded = model(**batch).logits[:, :10]
+        plain = model(**stacked).logits
+    assert (padded - plain).abs().max().item() <= 1e-5
