@@ -140,3 +140,11 @@ def test_sequence_classifier_matches_plain_transformers(request, classifier, wor
         assert result["same_class"] and result["n_grads"] == result["n_ref_grads"], result
         assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, f"rank {rank}: {result}"
         assert result["score_is_dtensor"], "the head is a parameter of the parallelized model's mesh"
+
+
+@pytest.mark.distributed
+def test_from_config_gives_the_weights_of_the_same_seed(ranks4):
+    from tests.cases.vlm import vlm_from_config_matches_seed
+
+    for result in ranks4.run(vlm_from_config_matches_seed, "qwen3_vl", {"strategy": "fsdp2", "tp_size": 2}, 7):
+        assert result["weights"] == 0.0 and result["count"] == result["reference"], result

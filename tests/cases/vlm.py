@@ -147,3 +147,19 @@ def train_vlm(config_path: str, overrides: list[str]) -> dict[str, Any]:
         with torch.no_grad():
             facts["export_logits"] = (plain(**inputs).logits - logits).abs().max().item()
     return facts
+
+
+def vlm_from_config_matches_seed(architecture: str, layout: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``NeMoAutoModelForImageTextToText.from_config(config, seed=s)`` holds plain transformers' weights after
+    ``torch.manual_seed(s)``, on both towers."""
+    from tests.vlm_models import tiny_vlm_config
+
+    config = tiny_vlm_config(architecture)
+    model = NeMoAutoModelForImageTextToText.from_config(config, mesh_context=MeshContext.build(**layout), seed=seed)
+    torch.manual_seed(seed)
+    reference = dict(AutoModelForImageTextToText.from_config(config).named_parameters())
+    diffs = [
+        ((p.full_tensor() if isinstance(p, DTensor) else p) - reference[name]).abs().max().item()
+        for name, p in model.named_parameters()
+    ]
+    return {"weights": max(diffs), "count": len(diffs), "reference": len(reference)}
