@@ -226,7 +226,8 @@ def shard_step(
 
 
 def _describe_fsdp_units(model: nn.Module, experts: ExpertGroups, context: MeshContext, mesh: DeviceMesh) -> str | None:
-    """``"FSDP2 units: 4 experts over ep_shard=2; 24 layers + embeddings + head + root over dp_shard_cp=4"``."""
+    """``"FSDP2 units: 4 experts over ep_shard=2; 24 layers + embeddings + head + root over dp_shard_cp=4"``; a
+    vision-language model's vision blocks are counted as ``encoder blocks``."""
     units: dict[int, nn.Module] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -235,12 +236,18 @@ def _describe_fsdp_units(model: nn.Module, experts: ExpertGroups, context: MeshC
         return None
     expert_modules = {id(module) for group in experts for module in group}
     layers = {id(layer) for layer in decoder_layers(model)}
+    encoder = {id(block) for block in encoder_tower_blocks(model)}
     named = {id(input_embeddings(model)): "embeddings", id(output_embeddings(model)): "head"}
     counts: dict[str, int] = {"layers": 0}
     for first in units.values():
         if id(first) in expert_modules or first is model:
             continue
-        kind = "layers" if id(first) in layers else named.get(id(first), type(first).__name__.removeprefix("FSDP"))
+        if id(first) in encoder:
+            kind = "encoder blocks"
+        elif id(first) in layers:
+            kind = "layers"
+        else:
+            kind = named.get(id(first), type(first).__name__.removeprefix("FSDP"))
         counts[kind] = counts.get(kind, 0) + 1
     parts = [f"{count} {kind}" if count > 1 or kind == "layers" else kind for kind, count in counts.items() if count]
     over = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True))
