@@ -137,3 +137,14 @@ def test_batches_concatenate_image_patches_and_grids_without_a_batch_dimension()
         padded = model(**batch).logits[:, :10]
         plain = model(**stacked).logits
     assert (padded - plain).abs().max().item() <= 1e-5
+
+
+def test_a_declared_vision_language_run_refuses_packing_and_pretraining_in_the_config(project):
+    from automodel.training.config import ConfigError, load_config
+
+    config = str(project / "sft_vlm.yaml")
+    with pytest.raises(ConfigError, match="data.packing=true is not supported for vision-language models"):
+        load_config(config, ["model.kind=image_text_to_text", "data.packing=true"])
+    with pytest.raises(ConfigError, match="the pretrain recipe trains text models only"):
+        load_config(config, ["model.kind=image_text_to_text", "recipe=pretrain"])
+    assert load_config(config, ["model.kind=causal_lm"]).model.kind == "causal_lm"

@@ -327,7 +327,9 @@ def _tokenizer_or_processor(config: RecipeConfig, kind: str):
     its tokenizer."""
     model = config.model
     if kind == IMAGE_TEXT_TO_TEXT:
-        return AutoProcessor.from_pretrained(model.path, revision=model.revision)
+        return AutoProcessor.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
     return AutoTokenizer.from_pretrained(model.path, revision=model.revision)
 
 
