@@ -148,3 +148,18 @@ def test_from_config_gives_the_weights_of_the_same_seed(ranks4):
 
     for result in ranks4.run(vlm_from_config_matches_seed, "qwen3_vl", {"strategy": "fsdp2", "tp_size": 2}, 7):
         assert result["weights"] == 0.0 and result["count"] == result["reference"], result
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize(
+    "layout", [{"strategy": "fsdp2"}, {"strategy": "fsdp2", "tp_size": 2}], ids=["fsdp2_dp4", "fsdp2_tp_2x2"]
+)
+def test_lora_on_both_towers_matches_peft(ranks4, checkpoints, arch, layout):
+    from tests.cases.vlm import vlm_lora_parity
+
+    for rank, result in enumerate(ranks4.run(vlm_lora_parity, checkpoints[arch], layout)):
+        # Vision adapters: CLIP's q_proj and v_proj in 2 blocks; Qwen2.5-VL's fused qkv is no target, its down_proj is.
+        assert result["vision_adapters"] == {"llava": 4, "qwen2_5_vl": 2}[arch], result
+        assert result["trainable"] == result["ref_trainable"], result
+        assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, f"rank {rank}: {result}"

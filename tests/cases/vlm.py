@@ -163,3 +163,50 @@ def vlm_from_config_matches_seed(architecture: str, layout: dict[str, Any], seed
         for name, p in model.named_parameters()
     ]
     return {"weights": max(diffs), "count": len(diffs), "reference": len(reference)}
+
+
+def vlm_lora_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """LoRA adapters on both towers (``q_proj`` / ``v_proj`` of the vision encoder and the decoder, ``down_proj`` of
+    the decoder) through ``from_pretrained(peft_config=...)`` against peft on plain transformers, with the same
+    non-zero adapter values: logits, loss and every adapter gradient on image + text examples."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from automodel.distributed.runtime import full_tensor
+    from automodel.loading.placements import local_indices
+    from automodel.loading.sources import select
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForImageTextToText.from_pretrained(checkpoint, mesh_context=context, peft_config=lora)
+    reference = get_peft_model(AutoModelForImageTextToText.from_pretrained(checkpoint), lora)
+    model.train(), reference.train()
+    ref_params = {name.removeprefix("base_model.model."): p for name, p in reference.named_parameters()}
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = full_tensor(param)
+            if "lora_B" in name:  # peft starts lora_B at zero: give both the same non-zero values
+                full = torch.randn(full.shape, generator=generator) * 0.1
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(select(full, local_indices(param)))
+            ref_params[name].copy_(full)
+    examples = vlm_examples(reference.config)
+    mine = _local_examples(context, examples)
+    out, ref = model(**collate(mine)), reference(**collate(examples))
+    out.loss.backward()
+    ref.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=context.mesh("dp").get_group())
+    start = context.mesh("dp").get_local_rank() * len(mine)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    return {
+        "logits": (full_tensor(out.logits) - ref.logits[start : start + len(mine)]).abs().max().item(),
+        "loss": (loss / context.dp_size - ref.loss).abs().item(),
+        "grad": max(
+            (full_tensor(model.get_parameter(n).grad) - ref_params[n].grad).abs().max().item() for n in trainable
+        ),
+        "trainable": len(trainable),
+        "ref_trainable": sum(p.requires_grad for p in reference.parameters()),
+        "vision_adapters": sum("lora_A" in n and n.startswith(("model.vision", "model.visual")) for n in trainable),
+    }
