@@ -163,3 +163,17 @@ def test_lora_on_both_towers_matches_peft(ranks4, checkpoints, arch, layout):
         assert result["vision_adapters"] == {"llava": 4, "qwen2_5_vl": 2}[arch], result
         assert result["trainable"] == result["ref_trainable"], result
         assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, f"rank {rank}: {result}"
+
+
+@pytest.mark.distributed
+def test_a_plan_that_names_the_score_head_shards_it(ranks2, classifier):
+    """The head follows the plan where the plan names it (here the output features of ``score`` over ``tp``)."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.from_pretrained(classifier).base_model_tp_plan
+    plan = {f"model.{rule}": style for rule, style in base.items()} | {"score": "colwise_gather_output"}
+    layout = {"strategy": "fsdp2", "tp_size": 2}
+    for rank, result in enumerate(ranks2.run(sequence_classification_parity, classifier, layout, plan)):
+        assert result["score_placements"] == ["S(0)"], result
+        assert result["n_grads"] == result["n_ref_grads"], result
+        assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, f"rank {rank}: {result}"

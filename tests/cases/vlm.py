@@ -105,16 +105,25 @@ def vlm_refusal(config_kwargs: dict[str, Any], architecture: str, layout: dict[s
     return ""
 
 
-def sequence_classification_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
-    """``NeMoAutoModelForSequenceClassification`` against plain transformers: logits, loss, every gradient."""
+def sequence_classification_parity(
+    checkpoint: str, layout: dict[str, Any], tp_plan: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``NeMoAutoModelForSequenceClassification`` against plain transformers: logits, loss, every gradient (with
+    ``tp_plan``, a plan that also shards the ``score`` head)."""
     context = MeshContext.build(**layout)
-    model = NeMoAutoModelForSequenceClassification.from_pretrained(checkpoint, mesh_context=context).train()
+    model = NeMoAutoModelForSequenceClassification.from_pretrained(checkpoint, mesh_context=context, tp_plan=tp_plan)
+    model.train()
     reference = AutoModelForSequenceClassification.from_pretrained(checkpoint).train()
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 90, (4, 8), generator=generator)
     ids[1, 6:] = reference.config.pad_token_id  # right padding: the score is read at the last real token
     batch = {"input_ids": ids, "labels": torch.tensor([0, 2, 1, 2])}
-    facts = {**_loading_facts(model, reference), "score_is_dtensor": isinstance(model.score.weight, DTensor)}
+    score = model.score.weight
+    facts = {
+        **_loading_facts(model, reference),
+        "score_is_dtensor": isinstance(score, DTensor),
+        "score_placements": [str(placement) for placement in getattr(score, "placements", ())],
+    }
     return {**facts, **compare_with_reference(reference, model, context, batch)}
 
 
