@@ -263,7 +263,8 @@ class NeMoAutoModelForImageTextToText(_NeMoAutoBase):
 
     The default parallelizer handles both towers without model names (see ``docs/vlm.md``): the decoder layers and
     the vision encoder blocks are FSDP / activation-checkpointing units, TP applies the language model's plan and
-    keeps the vision tower replicated over ``tp``; context and sequence parallelism are refused, with the reason.
+    keeps the vision tower replicated over ``tp``, sequence parallelism runs inside each language decoder layer, and
+    context parallelism is refused, with the reason.
     Checkpoints with older multimodal key layouts (``language_model.model.*`` ...) load through transformers'
     checkpoint conversion mapping, slice by slice.
     """

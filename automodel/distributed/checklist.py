@@ -58,31 +58,23 @@ def validate_expert_parallel(model: nn.Module, context: MeshContext) -> list[str
     return validate_experts(model, context.ep_size, context.tp_size)
 
 
-def validate_encoder_towers(model: nn.Module, cp_size: int, sequence_parallel: bool) -> None:
-    """Refuse context and sequence parallelism for a model with an encoder tower beside its language decoder (a
-    vision-language model), before anything is touched; say why. Its other steps need nothing special: the tower's
-    blocks are FSDP / activation-checkpointing units like the decoder layers, and TP leaves the blocks its plan does
-    not name replicated over ``tp``, where each rank computes their whole gradient."""
-    if cp_size == 1 and not sequence_parallel:
+def validate_encoder_towers(model: nn.Module, cp_size: int) -> None:
+    """Refuse context parallelism for a model with an encoder tower beside its language decoder (a vision-language
+    model), before anything is touched; say why. Its other steps need nothing special: the tower's blocks are FSDP /
+    activation-checkpointing units like the decoder layers, TP leaves the blocks its plan does not name replicated
+    over ``tp`` (each rank computes their whole gradient), and SP applies to the language decoder's layers."""
+    if cp_size == 1:
         return
     blocks = encoder_tower_blocks(model)
     if not blocks:
         return
-    tower = f"{type(model).__name__} has an encoder tower beside its language decoder ({len(blocks)} blocks of " + (
-        f"{sorted({type(block).__name__ for block in blocks})})"
-    )
-    if cp_size > 1:
-        raise ValueError(
-            f"{tower}: context parallelism (cp_size={cp_size}) splits the token sequence over the cp ranks before the "
-            "model runs, but the encoder's features (image embeddings) are merged into the sequence at the positions "
-            "of their placeholder tokens, and multimodal position ids are computed from the whole sequence, so a "
-            "rank would get features for placeholders it does not hold. Use cp_size=1 for this model."
-        )
     raise ValueError(
-        f"{tower}: sequence parallelism splits the decoder's hidden states over the sequence between its layers, "
-        "but this model merges the encoder's features into the sequence by whole-sequence positions (some, like "
-        "Qwen3-VL's deepstack, inside the decoder's layer loop), which a sequence shard cannot take. Use "
-        "sequence_parallel=False for this model."
+        f"{type(model).__name__} has an encoder tower beside its language decoder ({len(blocks)} blocks of "
+        f"{sorted({type(block).__name__ for block in blocks})}): context parallelism (cp_size={cp_size}) splits the "
+        "token sequence over the cp ranks before the model runs, but the encoder's features (image embeddings) are "
+        "merged into the sequence at the positions of their placeholder tokens, and multimodal position ids are "
+        "computed from the whole sequence, so a rank would get features for placeholders it does not hold. Use "
+        "cp_size=1 for this model."
     )
 
 

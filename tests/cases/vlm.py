@@ -33,7 +33,30 @@ def vlm_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
     examples = vlm_examples(reference.config)
     local = collate(_local_examples(context, examples))
     facts = {**_tower_facts(model, context), **_loading_facts(model, reference)}
-    return {**facts, **compare_with_reference(reference, model, context, collate(examples), local_batch=local)}
+    norm_lengths = _record_decoder_norm_lengths(model)
+    compared = compare_with_reference(reference, model, context, collate(examples), local_batch=local)
+    return {**facts, **compared, "norm_lengths": norm_lengths, "seq": local["input_ids"].shape[1]}
+
+
+def _record_decoder_norm_lengths(model: torch.nn.Module) -> list[int]:
+    """The sequence length each language decoder layer's first norm sees (filled by the next forward): a sequence
+    shard under sequence parallelism."""
+    from automodel.distributed.model_structure import decoder_layers
+
+    encoder = {id(block) for block in encoder_tower_blocks(model)}
+    lengths: list[int] = []
+    for layer in decoder_layers(model):
+        if id(layer) in encoder:
+            continue
+        norm = next(c for c in layer.children() if _holds_only_vectors(c))
+        norm.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    return lengths
+
+
+def _holds_only_vectors(module: torch.nn.Module) -> bool:
+    """A norm: parameters, all of them 1-D."""
+    params = list(module.parameters())
+    return bool(params) and all(param.ndim == 1 for param in params)
 
 
 def _tower_facts(model: torch.nn.Module, context: MeshContext) -> dict[str, Any]:
