@@ -19,6 +19,8 @@ _LAZY = {
     "MoEConfig": "automodel.distributed",
     "NeMoAutoModel": "automodel.auto_model",
     "NeMoAutoModelForCausalLM": "automodel.auto_model",
+    "NeMoAutoModelForImageTextToText": "automodel.auto_model",
+    "NeMoAutoModelForSequenceClassification": "automodel.auto_model",
     "NeMoAutoDiffusionPipeline": "automodel.diffusion",
     "clip_grad_norm_": "automodel.distributed.grad_clipping",
 }
@@ -33,11 +35,18 @@ __all__ = [
     "NeMoAutoDiffusionPipeline",
     "NeMoAutoModel",
     "NeMoAutoModelForCausalLM",
+    "NeMoAutoModelForImageTextToText",
+    "NeMoAutoModelForSequenceClassification",
     "clip_grad_norm_",
 ]
 
 if TYPE_CHECKING:
-    from automodel.auto_model import NeMoAutoModel, NeMoAutoModelForCausalLM
+    from automodel.auto_model import (
+        NeMoAutoModel,
+        NeMoAutoModelForCausalLM,
+        NeMoAutoModelForImageTextToText,
+        NeMoAutoModelForSequenceClassification,
+    )
     from automodel.diffusion import NeMoAutoDiffusionPipeline
     from automodel.distributed import (
         DDPConfig,

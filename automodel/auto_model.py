@@ -16,6 +16,8 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
     GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -35,7 +37,12 @@ from automodel.lora import add_lora
 from automodel.lora_checkpoint import LoraAdapter, read_lora_adapter
 from model_sidecars import sidecar_class
 
-__all__ = ["NeMoAutoModel", "NeMoAutoModelForCausalLM"]
+__all__ = [
+    "NeMoAutoModel",
+    "NeMoAutoModelForCausalLM",
+    "NeMoAutoModelForImageTextToText",
+    "NeMoAutoModelForSequenceClassification",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +302,30 @@ class NeMoAutoModel(_NeMoAutoBase):
     """``transformers.AutoModel`` (models without a causal-LM head), loaded straight into a parallelized model."""
 
     _auto_class = AutoModel
+
+
+class NeMoAutoModelForImageTextToText(_NeMoAutoBase):
+    """``transformers.AutoModelForImageTextToText`` (vision-language models: Qwen2.5-VL, Qwen3-VL, Gemma 3, LLaVA,
+    Mistral 3, Idefics3 / SmolVLM, InternVL ...), loaded straight into a parallelized model.
+
+    The default parallelizer handles both towers without model names (see ``docs/vlm.md``): the decoder layers and
+    the vision encoder blocks are FSDP / activation-checkpointing units, TP applies the language model's plan and
+    keeps the vision tower replicated over ``tp``, sequence parallelism runs inside each language decoder layer, and
+    context parallelism is refused, with the reason.
+    Checkpoints with older multimodal key layouts (``language_model.model.*`` ...) load through transformers'
+    checkpoint conversion mapping, slice by slice.
+    """
+
+    _auto_class = AutoModelForImageTextToText
+
+
+class NeMoAutoModelForSequenceClassification(_NeMoAutoBase):
+    """``transformers.AutoModelForSequenceClassification`` (classifiers and reward models), loaded straight into a
+    parallelized model. Its ``score`` head follows the model's TP plan where the plan names it, and is otherwise a
+    replicated parameter of the ``tp`` mesh (it computes on the whole hidden state, so its gradient is complete on
+    every TP rank)."""
+
+    _auto_class = AutoModelForSequenceClassification
 
 
 def _resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:

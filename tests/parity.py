@@ -34,12 +34,15 @@ def compare_with_reference(
     *,
     loss_fn: LossFn | None = None,
     output_key: str = "logits",
+    local_batch: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Run forward + backward on both models and return the largest absolute differences.
 
     ``batch`` is a tensor of token ids (a causal LM: ``labels`` are the ids themselves) or a dict of model inputs of
     batch size ``B`` (every value's first dimension). ``loss_fn`` turns an output into the scalar to back-propagate
     (default: the model's own loss); per-rank losses are averaged over ``dp``, as the data-parallel gradient is.
+    ``local_batch`` is this rank's part of ``batch`` where it is not a slice of rows (e.g. a vision-language batch
+    whose image patches have no batch dimension); the outputs are then compared on this rank's rows of the batch.
     """
     inputs = {"input_ids": batch, "labels": batch} if isinstance(batch, torch.Tensor) else dict(batch)
     loss_fn = loss_fn or causal_lm_loss
@@ -48,7 +51,7 @@ def compare_with_reference(
     ref_loss.backward()
 
     local = local_rows(context, next(iter(inputs.values())).shape[0])
-    out = model(**{key: value[local] for key, value in inputs.items()})
+    out = model(**(local_batch if local_batch is not None else {key: value[local] for key, value in inputs.items()}))
     loss = loss_fn(out)
     loss.backward()
 

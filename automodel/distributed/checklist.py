@@ -30,7 +30,7 @@ from .fsdp import fully_shard_default, shard_default_units, unshard_for_outside_
 from .hook_policy import overrides
 from .megatron_fsdp import apply_megatron_fsdp
 from .mesh import MeshContext
-from .model_structure import decoder_layers, input_embeddings, output_embeddings
+from .model_structure import decoder_layers, encoder_tower_blocks, input_embeddings, output_embeddings
 from .tensor_parallel import TPPlanChoice, apply_tensor_parallel, check_plan_rules, choose_tp_plan
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ __all__ = [
     "shard_step",
     "tensor_parallel_step",
     "trainability_step",
+    "validate_encoder_towers",
     "validate_expert_parallel",
 ]
 
@@ -60,6 +61,26 @@ def validate_expert_parallel(model: nn.Module, context: MeshContext) -> list[str
     if context.ep_size == 1:
         return []
     return validate_experts(model, context.ep_size, context.tp_size)
+
+
+def validate_encoder_towers(model: nn.Module, cp_size: int) -> None:
+    """Refuse context parallelism for a model with an encoder tower beside its language decoder (a vision-language
+    model), before anything is touched; say why. Its other steps need nothing special: the tower's blocks are FSDP /
+    activation-checkpointing units like the decoder layers, TP leaves the blocks its plan does not name replicated
+    over ``tp`` (each rank computes their whole gradient), and SP applies to the language decoder's layers."""
+    if cp_size == 1:
+        return
+    blocks = encoder_tower_blocks(model)
+    if not blocks:
+        return
+    raise ValueError(
+        f"{type(model).__name__} has an encoder tower beside its language decoder ({len(blocks)} blocks of "
+        f"{sorted({type(block).__name__ for block in blocks})}): context parallelism (cp_size={cp_size}) splits the "
+        "token sequence over the cp ranks before the model runs, but the encoder's features (image embeddings) are "
+        "merged into the sequence at the positions of their placeholder tokens, and multimodal position ids are "
+        "computed from the whole sequence, so a rank would get features for placeholders it does not hold. Use "
+        "cp_size=1 for this model."
+    )
 
 
 def plan_tensor_parallel(
@@ -217,7 +238,8 @@ def shard_step(
 
 
 def _describe_fsdp_units(model: nn.Module, experts: ExpertGroups, context: MeshContext, mesh: DeviceMesh) -> str | None:
-    """``"FSDP2 units: 4 experts over ep_shard=2; 24 layers + embeddings + head + root over dp_shard_cp=4"``."""
+    """``"FSDP2 units: 4 experts over ep_shard=2; 24 layers + embeddings + head + root over dp_shard_cp=4"``; a
+    vision-language model's vision blocks are counted as ``encoder blocks``."""
     units: dict[int, nn.Module] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -226,12 +248,18 @@ def _describe_fsdp_units(model: nn.Module, experts: ExpertGroups, context: MeshC
         return None
     expert_modules = {id(module) for group in experts for module in group}
     layers = {id(layer) for layer in decoder_layers(model)}
+    encoder = {id(block) for block in encoder_tower_blocks(model)}
     named = {id(input_embeddings(model)): "embeddings", id(output_embeddings(model)): "head"}
     counts: dict[str, int] = {"layers": 0}
     for first in units.values():
         if id(first) in expert_modules or first is model:
             continue
-        kind = "layers" if id(first) in layers else named.get(id(first), type(first).__name__.removeprefix("FSDP"))
+        if id(first) in encoder:
+            kind = "encoder blocks"
+        elif id(first) in layers:
+            kind = "layers"
+        else:
+            kind = named.get(id(first), type(first).__name__.removeprefix("FSDP"))
         counts[kind] = counts.get(kind, 0) + 1
     parts = [f"{count} {kind}" if count > 1 or kind == "layers" else kind for kind, count in counts.items() if count]
     over = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True))

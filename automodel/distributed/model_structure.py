@@ -4,7 +4,8 @@ from the shape of the module tree.
 Nothing here names an architecture: decoder layers are the modules whose class is in ``_no_split_modules`` (what
 transformers itself uses as the unit that must not be split across devices) or, for models that declare none, the
 repeated blocks of the module tree; embeddings come from ``get_input_embeddings`` / ``get_output_embeddings``, and
-tied parameters are found by identity.
+tied parameters are found by identity. A multimodal model's towers are told apart by ``get_decoder()`` (transformers'
+accessor of the language model): blocks outside it belong to an encoder tower (a vision encoder's blocks).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from .runtime import log_rank_zero
 
 __all__ = [
     "decoder_layers",
+    "encoder_tower_blocks",
     "input_embeddings",
+    "language_decoder",
     "output_embeddings",
     "repeated_blocks",
     "retie_parameters",
@@ -35,14 +38,15 @@ _REPORTED: weakref.WeakSet = weakref.WeakSet()
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks, in module order: the units of FSDP and activation checkpointing.
 
-    The modules whose class name is in ``_no_split_modules`` (or, for a diffusers model, ``_repeated_blocks``); for a
-    model that declares none (or none of whose declared classes occur in it), the members of its ``ModuleList`` s of
+    The modules whose class name is in ``_no_split_modules`` (or, for a diffusers model, ``_repeated_blocks``), each
+    replaced by the repeated block holding it where it lies inside one (Idefics3 declares its vision encoder's
+    attention, not the encoder layer around it); for a model that declares none (or none of whose declared classes occur in it), the members of its ``ModuleList`` s of
     one block class (:func:`repeated_blocks`), logged once. Raises a ``ValueError`` naming the class only when neither
     exists.
     """
     declared = _declared_blocks(model)
     if declared:
-        return declared
+        return _lift_into_repeated_blocks(model, declared)
     blocks = repeated_blocks(model)
     if not blocks:
         names = sorted(getattr(model, "_no_split_modules", None) or ())
@@ -77,6 +81,15 @@ def _declared_blocks(model: nn.Module) -> list[nn.Module]:
         if module is not model and any(cls.__name__ in names for cls in type(module).__mro__)
     ]
     return _outermost(layers)
+
+
+def _lift_into_repeated_blocks(model: nn.Module, declared: list[nn.Module]) -> list[nn.Module]:
+    """``declared`` with each module that lies inside a repeated block replaced by that block, in module order."""
+    blocks = repeated_blocks(model)
+    holder = {id(inner): block for block in blocks for inner in block.modules()}
+    lifted = [holder.get(id(module), module) for module in declared]
+    order = {id(module): index for index, module in enumerate(model.modules())}
+    return sorted(_outermost(lifted), key=lambda module: order[id(module)])
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -115,6 +128,27 @@ def _describe_blocks(model: nn.Module, blocks: list[nn.Module]) -> str:
         container = names[block].rpartition(".")[0] or "<root>"
         groups.setdefault(container, []).append(block)
     return ", ".join(f"{name} ({len(members)} x {type(members[0]).__name__})" for name, members in groups.items())
+
+
+def language_decoder(model: nn.Module) -> nn.Module | None:
+    """The language model (transformers' ``get_decoder()``: the text decoder of a vision-language model, the base
+    model of a causal LM), or ``None`` for models without the accessor."""
+    getter = getattr(model, "get_decoder", None)
+    try:
+        decoder = getter() if getter is not None else None
+    except (NotImplementedError, AttributeError):
+        return None
+    return decoder if isinstance(decoder, nn.Module) else None
+
+
+def encoder_tower_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks (:func:`decoder_layers`) outside the language decoder: a vision-language model's vision encoder
+    blocks (and those of any other encoder tower). Empty for a single-tower model."""
+    decoder = language_decoder(model)
+    if decoder is None or decoder is model:
+        return []
+    inside = {id(module) for module in decoder.modules()}
+    return [block for block in decoder_layers(model) if id(block) not in inside]
 
 
 def input_embeddings(model: nn.Module) -> nn.Module | None:

@@ -108,6 +108,7 @@ class ModelParallelizer:
         context = kwargs.get("mesh_context") or MeshContext(device_mesh=device_mesh, strategy=FSDP2Config())
         tp_mesh = device_mesh[tp_mesh_name]
         # Everything that can refuse runs first, so a refusal leaves the model untouched.
+        checklist.validate_encoder_towers(model, device_mesh["cp"].size())
         expert_names = checklist.validate_expert_parallel(model, context)
         checklist.validate_compile(context)
         tp_plan = checklist.plan_tensor_parallel(self, model, tp_mesh, tp_shard_plan, expert_names)

@@ -22,7 +22,7 @@ from automodel._compat.torch import tree_map_only
 
 from .adapters import LOCAL_INPUT_STYLE, adapter_placements
 from .hf_plans import expand_plan, matchable_plan_keys, model_tp_plan
-from .model_structure import decoder_layers, retie_parameters, tied_parameter_names
+from .model_structure import decoder_layers, encoder_tower_blocks, retie_parameters, tied_parameter_names
 from .partial_gradients import reduce_partial_gradients
 from .tp_styles import (
     SequenceParallelNorm,
@@ -245,8 +245,14 @@ def _sequence_parallel_styles(
 
     A decoder layer's own parameters (used on sequence shards) get their gradients summed over TP as well. A style
     that has no sequence-parallel form in a sharded block is refused, naming the module.
+
+    A model with an encoder tower (a vision-language model) takes SP on its language decoder's layers only, and its
+    hidden states are whole between those layers: the sequence is split when it enters each layer and gathered when
+    it leaves it, because such models may merge encoder features into the hidden states between layers by
+    whole-sequence positions (Qwen3-VL's deepstack). The encoder's blocks, replicated over TP, run as without SP.
     """
-    layers = decoder_layers(model)
+    encoder = {id(block) for block in encoder_tower_blocks(model)}
+    layers = [layer for layer in decoder_layers(model) if id(layer) not in encoder]
     layer_names = {module: name for name, module in model.named_modules()}
     converted = dict(styles)
     whole_sequence: list[str] = []
@@ -268,8 +274,9 @@ def _sequence_parallel_styles(
                 converted[full_name] = SequenceParallelNorm()
     if whole_sequence:
         logger.debug("Sequence parallelism: blocks run on the whole sequence: %s", whole_sequence)
-    layers[0].register_forward_pre_hook(_scatter_sequence_hook(mesh), with_kwargs=True)
-    layers[-1].register_forward_hook(_gather_sequence_hook(mesh))
+    for first, last in [(layer, layer) for layer in layers] if encoder else [(layers[0], layers[-1])]:
+        first.register_forward_pre_hook(_scatter_sequence_hook(mesh), with_kwargs=True)
+        last.register_forward_hook(_gather_sequence_hook(mesh))
     return converted
 
 

@@ -90,6 +90,17 @@ def _initialize_module(owner: nn.Module, module: nn.Module, names: set[str]) -> 
                 mark_initialized(full)
             originals[name] = (store, value)
             store[name] = full
+    # Some inits also write the tensors of the module's children (CLIP's vision embeddings draw their patch and
+    # position embeddings when asked for the `position_ids` buffer): those are loaded (or initialised on their own
+    # module's visit, which comes first), so transformers' guarded init functions must leave them alone too.
+    flagged = [
+        value
+        for child in module.children()
+        for value in [*child.parameters(), *child.buffers()]
+        if not getattr(value, "_is_hf_initialized", False)
+    ]
+    for value in flagged:
+        value._is_hf_initialized = True
     try:
         owner._init_weights(module)
         for name in names:
@@ -99,6 +110,8 @@ def _initialize_module(owner: nn.Module, module: nn.Module, names: set[str]) -> 
     finally:
         for name, (store, original) in originals.items():
             store[name] = original
+        for value in flagged:
+            del value._is_hf_initialized
 
 
 def _local_part(full: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:

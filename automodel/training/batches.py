@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from .data import IGNORE_INDEX, Example, _check_positive
+from .vlm import collate_media
 
 __all__ = ["DistributedBatchLoader"]
 
@@ -122,7 +123,8 @@ class DistributedBatchLoader:
 
     def _collate(self, indices: Iterable[int]) -> dict[str, torch.Tensor]:
         """``input_ids`` / ``labels`` right-padded to ``seq_len``; ``num_tokens``, the tokens that are not padding;
-        ``position_ids`` when the examples are packed (positions restarting per packed example)."""
+        ``position_ids`` when the examples are packed (positions restarting per packed example); the image tensors
+        and per-token inputs of vision-language examples (:func:`vlm.collate_media`)."""
         examples = [self._examples[index] for index in indices]
         input_ids = torch.full((len(examples), self._seq_len), self._pad_id, dtype=torch.long)
         labels = torch.full((len(examples), self._seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -139,7 +141,7 @@ class DistributedBatchLoader:
         batch = {"input_ids": input_ids, "labels": labels, "num_tokens": torch.tensor(tokens)}
         if positions is not None:
             batch["position_ids"] = positions
-        return batch
+        return {**batch, **collate_media(examples, self._seq_len)}
 
 
 def _epoch_permutation(size: int, seed: int, epoch: int) -> list[int]:

@@ -25,7 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 __all__ = ["LATEST", "TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -96,8 +101,31 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     trainer state."""
     path = Path(path)
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    _drop_state_never_saved(optimizer_state, path)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_model_state_dict(model, state["model"])
+    # Not strict: the state of parameters that had none when saved is left out on purpose (above).
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     saved = torch.load(path / _TRAINER_STATE, weights_only=True)
     return TrainerState(**saved)
+
+
+_OPTIMIZER_STATE = "optimizer.state."
+
+
+def _drop_state_never_saved(optimizer_state: dict[str, Any], path: Path) -> None:
+    """Leave out of the load the optimizer state of parameters that had none when the checkpoint was saved.
+
+    ``get_state_dict`` gives a fresh optimizer state for every parameter, but a parameter that never got a gradient
+    (a vision tower's final norm whose output the model does not use) had none in the saved run, which AdamW skips
+    too: it keeps none after the resume, as in the uninterrupted run.
+    """
+    saved = {
+        key[len(_OPTIMIZER_STATE) :].rpartition(".")[0]
+        for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if key.startswith(_OPTIMIZER_STATE)
+    }
+    states = optimizer_state.get("state", {})
+    for name in [name for name in states if name not in saved]:
+        del states[name]

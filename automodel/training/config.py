@@ -32,6 +32,7 @@ __all__ = [
     "describe_keys",
     "load_config",
     "parse_overrides",
+    "validate_vision_language",
 ]
 
 RECIPES = ("sft", "pretrain")
@@ -45,9 +46,12 @@ class ConfigError(ValueError):
 class ModelSection:
     """``path``: a hub id or local directory (checkpoint for SFT; config + tokenizer source for pretraining).
     ``tiny_if_missing``: when ``path`` does not exist, write a tiny random Llama there first, with a word-level
-    tokenizer over ``data.path`` (seconds-long smoke tests, ``recipes/sft_tiny.yaml``)."""
+    tokenizer over ``data.path`` (seconds-long smoke tests, ``recipes/sft_tiny.yaml``). ``kind``: the auto class;
+    ``auto`` reads the checkpoint's config (a vision-language model takes ``image_text_to_text``, which renders its
+    chats with the model's processor; see ``docs/vlm.md``)."""
 
     path: str = ""
+    kind: Literal["auto", "causal_lm", "image_text_to_text"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
     revision: str | None = None
     trust_remote_code: bool = False
@@ -377,6 +381,8 @@ def _validate(config: RecipeConfig) -> None:
         )
     if train.loss == "chunked" and config.layout.strategy == "megatron_fsdp":
         raise ConfigError("train.loss=chunked runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
+    if model.kind == "image_text_to_text":
+        validate_vision_language(config)
     _validate_lora(config)
     if config.checkpoint.every_steps < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1.")
@@ -384,6 +390,19 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError("checkpoint.every_steps is set but checkpoint.dir is not: say where checkpoints go.")
     if config.export.push_to_hub and config.export.dir is None:
         raise ConfigError("export.push_to_hub needs export.dir (the folder that is uploaded).")
+
+
+def validate_vision_language(config: RecipeConfig) -> None:
+    """What a vision-language run refuses (also checked at run time, when ``model.kind: auto`` finds one)."""
+    if config.recipe == "pretrain":
+        raise ConfigError(
+            "model.kind=image_text_to_text: the pretrain recipe trains text models only; use recipe: sft."
+        )
+    if config.data.packing:
+        raise ConfigError(
+            "data.packing=true is not supported for vision-language models: packed chats would need their image "
+            "tensors and multimodal positions packed with them. Set data.packing=false."
+        )
 
 
 def _validate_lora(config: RecipeConfig) -> None:

@@ -41,12 +41,17 @@ _START, _END = "\ue000", "\ue001"
 class Example:
     """One training sequence; ``labels`` has the same length, ``-100`` where no loss is taken. ``position_ids``
     (packed sequences only) restart at 0 for every example packed into it; ``None`` means ``0, 1, 2, ...``.
-    ``padding``: how many of the tokens are the padding a packed sequence ends in."""
+    ``padding``: how many of the tokens are the padding a packed sequence ends in. A vision-language example also
+    carries ``media``, the processor's image tensors (``pixel_values``, grid / size tensors; batched by concatenation
+    along their first dimension), and ``token_inputs``, its per-token inputs besides the ids (``token_type_ids``,
+    ``mm_token_type_ids``; padded with 0)."""
 
     input_ids: list[int]
     labels: list[int]
     position_ids: list[int] | None = None
     padding: int = 0
+    media: dict[str, Any] | None = None
+    token_inputs: dict[str, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.labels):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ from torch import nn
 from automodel.distributed import MeshContext
 
 from .data import IGNORE_INDEX, Example
+from .vlm import collate_media
 
 __all__ = ["ValidationSet"]
 
@@ -30,8 +32,11 @@ class ValidationSet:
         rows = self.examples[dp_rank::dp_size]
         per_rank = math.ceil(len(self.examples) / dp_size)
         count = math.ceil(per_rank / self.micro_batch_size) * self.micro_batch_size
-        empty = Example([self.pad_id], [IGNORE_INDEX])
-        rows = rows + [empty] * (count - len(rows))
+        # Filler rows carry no loss; a copy of a real example, so that a vision-language model runs its vision
+        # tower (whose sharded blocks gather their weights collectively) on every rank.
+        first = self.examples[0]
+        filler = dataclasses.replace(first, labels=[IGNORE_INDEX] * len(first.labels))
+        rows = rows + [filler] * (count - len(rows))
         return [self._collate(rows[i : i + self.micro_batch_size]) for i in range(0, count, self.micro_batch_size)]
 
     def _collate(self, rows: list[Example]) -> dict[str, torch.Tensor]:
@@ -47,7 +52,7 @@ class ValidationSet:
         batch = {"input_ids": input_ids, "labels": labels}
         if positions is not None:
             batch["position_ids"] = positions
-        return batch
+        return {**batch, **collate_media(rows, self.seq_len)}
 
     @torch.no_grad()
     def loss(

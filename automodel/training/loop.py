@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-from automodel.auto_model import NeMoAutoModelForCausalLM
+from automodel.auto_model import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
 from automodel.distributed import FSDP2Config, MeshContext
 from automodel.distributed.context_parallel import shard_batch_for_context_parallel
 from automodel.distributed.runtime import log_rank_zero
@@ -26,7 +26,7 @@ from automodel.loading.pipeline import transformers_model
 
 from .batches import DistributedBatchLoader
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import RecipeConfig
+from .config import ConfigError, RecipeConfig, validate_vision_language
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
 from .loss import LossFunction, ModelLoss, make_loss
@@ -35,6 +35,7 @@ from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedu
 from .packing import check_packed_attention
 from .preemption import PreemptionHandler
 from .tiny_model import write_tiny_model
+from .vlm import IMAGE_TEXT_TO_TEXT, model_kind, resolve_image_paths, tokenize_vlm_sft
 
 __all__ = ["TrainResult", "build_mesh_context", "run", "train_step"]
 
@@ -84,7 +85,7 @@ def build_mesh_context(config: RecipeConfig) -> MeshContext:
     )
 
 
-def _build_model(config: RecipeConfig, context: MeshContext) -> nn.Module:
+def _build_model(config: RecipeConfig, context: MeshContext, kind: str) -> nn.Module:
     model = config.model
     dtype = getattr(torch, model.dtype)
     if config.recipe == "pretrain":
@@ -99,7 +100,8 @@ def _build_model(config: RecipeConfig, context: MeshContext) -> nn.Module:
             attn_implementation=model.attn_implementation,
             trust_remote_code=model.trust_remote_code,
         )
-    return NeMoAutoModelForCausalLM.from_pretrained(
+    auto_class = NeMoAutoModelForImageTextToText if kind == IMAGE_TEXT_TO_TEXT else NeMoAutoModelForCausalLM
+    return auto_class.from_pretrained(
         model.path,
         mesh_context=context,
         dtype=dtype,
@@ -121,13 +123,25 @@ def _lora_config(config: RecipeConfig):
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
 
 
+def _tokenize_sft(path: str, tokenizer, seq_len: int) -> list:
+    """Chat records tokenized by a tokenizer's template, or (a processor) rendered with their images."""
+    if hasattr(tokenizer, "image_processor"):
+        return tokenize_vlm_sft(resolve_image_paths(load_records(path), path), tokenizer, seq_len)
+    return tokenize_sft(load_records(path), tokenizer, seq_len)
+
+
+def _pad_id(tokenizer) -> int:
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's own tokenizer
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def _build_loader(config: RecipeConfig, tokenizer, context: MeshContext) -> DistributedBatchLoader:
     train, data = config.train, config.data
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = _pad_id(tokenizer)
     if config.recipe == "pretrain":
         examples = tokenize_pretraining(load_texts(data.path), tokenizer, train.seq_len)
     else:
-        examples = tokenize_sft(load_records(data.path), tokenizer, train.seq_len)
+        examples = _tokenize_sft(data.path, tokenizer, train.seq_len)
         if data.packing:
             examples = pack_examples(examples, train.seq_len, pad_id)
     return DistributedBatchLoader(
@@ -181,11 +195,11 @@ def train_step(
 
 def model_inputs(batch: dict[str, torch.Tensor], context: MeshContext, device: torch.device) -> dict:
     """The forward arguments of a collated micro batch: this CP rank's part of it under CP, ``position_ids`` of
-    packed sequences (transformers then masks each packed example to itself), and no KV cache (training)."""
+    packed sequences (transformers then masks each packed example to itself), the image tensors of a
+    vision-language batch, and no KV cache (training)."""
     if context.cp_size == 1:
-        inputs = {"input_ids": batch["input_ids"].to(device), "labels": batch["labels"].to(device)}
-        if "position_ids" in batch:
-            inputs["position_ids"] = batch["position_ids"].to(device)
+        # The ids, labels, packed positions, and a vision-language batch's image tensors and per-token inputs.
+        inputs = {key: value.to(device) for key, value in batch.items() if key != "num_tokens"}
         return {**inputs, "use_cache": False}
     local = shard_batch_for_context_parallel(
         batch["input_ids"], batch["labels"], context.mesh("cp"), batch.get("position_ids")
@@ -225,8 +239,9 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     context = build_mesh_context(config)
     prepare_model(config)
     torch.manual_seed(train.seed)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path, revision=config.model.revision)
-    model = _build_model(config, context)
+    kind = _model_kind(config)
+    tokenizer = _tokenizer_or_processor(config, kind)
+    model = _build_model(config, context, kind)
     model.train()
     if config.data.packing and config.recipe == "sft":
         check_packed_attention(model, context, tolerance=_packing_tolerance(config))
@@ -302,6 +317,31 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     if config.export.dir is not None and last == train.max_steps and result.preempted is None:
         result.export_dir = str(_export(config, model, tokenizer))
     return result
+
+
+def _model_kind(config: RecipeConfig) -> str:
+    """The auto class the run uses (``model.kind``, or what the checkpoint is); refuses what a vision-language run
+    cannot do."""
+    model = config.model
+    kind = model_kind(model.path, model.kind, revision=model.revision, trust_remote_code=model.trust_remote_code)
+    if kind == IMAGE_TEXT_TO_TEXT:
+        try:
+            validate_vision_language(config)
+        except ConfigError as error:
+            raise ValueError(f"{model.path} is a vision-language model: {error}") from error
+        log_rank_zero(logger, "%s is a vision-language model: chats are rendered by its processor", model.path)
+    return kind
+
+
+def _tokenizer_or_processor(config: RecipeConfig, kind: str):
+    """The model's processor (vision-language: its chat template renders images too; exported with the model), else
+    its tokenizer."""
+    model = config.model
+    if kind == IMAGE_TEXT_TO_TEXT:
+        return AutoProcessor.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
+    return AutoTokenizer.from_pretrained(model.path, revision=model.revision)
 
 
 def _step_facts(
@@ -406,11 +446,11 @@ def _validation_set(config: RecipeConfig, tokenizer) -> ValidationSet | None:
     data, train = config.data, config.train
     if data.validation_path is None:
         return None
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = _pad_id(tokenizer)
     if config.recipe == "pretrain":
         examples = tokenize_pretraining(load_texts(data.validation_path), tokenizer, train.seq_len)
     else:
-        examples = tokenize_sft(load_records(data.validation_path), tokenizer, train.seq_len)
+        examples = _tokenize_sft(data.validation_path, tokenizer, train.seq_len)
     return ValidationSet(examples, micro_batch_size=train.micro_batch_size, seq_len=train.seq_len, pad_id=pad_id)
 
 
