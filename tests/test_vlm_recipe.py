@@ -148,3 +148,11 @@ def test_a_declared_vision_language_run_refuses_packing_and_pretraining_in_the_c
     with pytest.raises(ConfigError, match="the pretrain recipe trains text models only"):
         load_config(config, ["model.kind=image_text_to_text", "recipe=pretrain"])
     assert load_config(config, ["model.kind=causal_lm"]).model.kind == "causal_lm"
+
+
+def test_the_chunked_loss_trains_a_vision_language_model_as_the_model_loss_does(ranks2, project):
+    """train.loss=chunked on a VLM: the head's input is the decoder's output, as on text models; the same losses."""
+    config = str(project / "sft_vlm.yaml")
+    plain = ranks2.run(train_vlm, config, ["train.max_steps=4"])[0]["losses"]
+    chunked = ranks2.run(train_vlm, config, ["train.max_steps=4", "train.loss=chunked", "train.loss_chunk_size=16"])
+    assert max(abs(a - b) for a, b in zip(chunked[0]["losses"], plain, strict=True)) <= 1e-5, (chunked, plain)
