@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
 
 from .versions import MissingSymbolError, private_symbol
 
@@ -24,10 +26,13 @@ __all__ = [
     "all_gather",
     "all_gather_autograd",
     "default_process_group",
+    "flatten_mesh",
     "fsdp_param_groups",
     "fsdp_state",
     "is_to_local_view",
     "replicate",
+    "set_last_lr",
+    "split_placement",
     "tree_leaves",
     "tree_map_only",
 ]
@@ -126,3 +131,24 @@ def fsdp_state(unit: nn.Module) -> Any:
     """The FSDP2 state object of a ``fully_shard`` unit (``FSDPModule._get_fsdp_state()``), one per unit (grouped
     modules share it). Known: 2.9.0 - 2.14.1."""
     return unit._get_fsdp_state()
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The dims of ``mesh`` (a slice of the dense mesh) as one 1-D mesh named ``name``, the axes FSDP2 and the loss
+    reductions run over (``DeviceMesh._flatten``). Known: 2.12.1 - 2.14.1 (the releases checked)."""
+    return mesh._flatten(mesh_dim_name=name)
+
+
+def split_placement(placement: Placement, tensor: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
+    """The pieces a ``Shard`` or ``_StridedShard`` placement on dim 0 cuts ``tensor`` into over ``num_chunks`` ranks,
+    uneven ones unpadded, by DTensor's own split rule (``Shard._split_tensor``): the loader applies it to index
+    vectors to find each rank's slice. Known: 2.12.1 - 2.14.1 (the releases checked)."""
+    pieces, _ = placement._split_tensor(tensor, num_chunks, with_padding=False)
+    return pieces
+
+
+def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list[float]) -> None:
+    """Make ``scheduler.get_last_lr()`` return ``lrs`` after the learning rates were set directly (a resumed run
+    on a new schedule); torch has no public setter (``LRScheduler._last_lr``). Known: 2.12.1 - 2.14.1 (the releases
+    checked)."""
+    scheduler._last_lr = lrs

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from automodel._compat.torch import default_process_group
+from automodel._compat.torch import default_process_group, flatten_mesh
 
 from .config import DDPConfig, MegatronFSDPConfig, MoEConfig, StrategyConfig, strategy_from_name
 
@@ -163,7 +163,7 @@ def _meshes(
 
 def _flatten_dense_axes(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
     """Create the flattened axes; torch wants callers to keep the flattened meshes rather than slice them again."""
-    return {flat_name: mesh[axes]._flatten(mesh_dim_name=flat_name) for flat_name, axes in FLATTENED_AXES.items()}
+    return {flat_name: flatten_mesh(mesh[axes], flat_name) for flat_name, axes in FLATTENED_AXES.items()}
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ class MeshContext:
             return (
                 self.flattened[name]
                 if name in self.flattened
-                else self.device_mesh[FLATTENED_AXES[name]]._flatten(name)
+                else flatten_mesh(self.device_mesh[FLATTENED_AXES[name]], name)
             )
         if name not in DENSE_AXES:
             raise ValueError(f"Unknown axis {name!r}: use one of {DENSE_AXES + tuple(FLATTENED_AXES) + MOE_AXES}.")

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from automodel._compat.torch import StridedShard
+from automodel._compat.torch import StridedShard, split_placement
 from automodel.distributed.megatron_fsdp import is_megatron_fsdp_parameter, megatron_fsdp_local_indices
 
 __all__ = ["IndexRuns", "local_indices", "to_runs"]
@@ -36,8 +36,7 @@ def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
         if not isinstance(placement, (Shard, StridedShard)):
             continue
         dim = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
-        pieces, _ = _on_dim0(placement)._split_tensor(indices[dim], mesh.size(mesh_dim), with_padding=False)
-        indices[dim] = pieces[coordinate[mesh_dim]]
+        indices[dim] = split_placement(_on_dim0(placement), indices[dim], mesh.size(mesh_dim))[coordinate[mesh_dim]]
     local_shape = tuple(tensor.to_local().shape)
     if tuple(len(dim_indices) for dim_indices in indices) != local_shape:
         raise RuntimeError(

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from automodel._compat.torch import set_last_lr
 from automodel.distributed.grad_clipping import clip_grad_norm_, total_grad_norm
 
 from .config import TrainSection
@@ -61,7 +62,7 @@ def resume_schedule(
         group["lr"] = train.lr * factor(step)
         group["betas"] = train.betas
         group["weight_decay"] = train.weight_decay if group.get("name", "decay") == "decay" else 0.0
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    set_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])
     return optimizer.param_groups[0]["lr"]
 
 
