@@ -66,9 +66,10 @@ class Command:
         for line in self.process.stderr:
             self.lines.append(line)
 
-    def wait_for(self, text: str, timeout: float = 240) -> None:
+    def wait_for(self, text: str, timeout: float = 240, count: int = 1) -> None:
+        """Until ``count`` lines of the output contain ``text``."""
         deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
+        while sum(text in line for line in self.lines) < count:
             assert self.process.poll() is None, "".join(self.lines[-40:])
             assert time.monotonic() < deadline, f"no {text!r} in:\n" + "".join(self.lines[-40:])
             time.sleep(0.05)

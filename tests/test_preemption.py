@@ -69,19 +69,21 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_newest(p
     checkpoints = tmp_path / "checkpoints"
     env = {
         "PYTHONPATH": os.pathsep.join([str(project / "hooks"), str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "AUTOMODEL_TEST_SAVE_DELAY": str(3 * DUPLICATE_WINDOW_S),
+        "AUTOMODEL_TEST_SAVE_DELAY": str(5 * DUPLICATE_WINDOW_S),
     }
     # A periodic checkpoint first (step 4), then the preemption save, interrupted.
     command = Command(project, checkpoints, env, overrides=("checkpoint.every_steps=4",))
     command.wait_for("step 5 |")
     os.kill(command.process.pid, signal.SIGTERM)
-    first = time.monotonic()
-    deadline = first + 120
+    # A worker runs its handler between bytecodes, possibly long after the kill: time the window from its message.
+    command.wait_for("SIGTERM received", count=2)
+    received = time.monotonic()
+    deadline = received + 120
     while not list(checkpoints.glob("*.partial")):
         assert time.monotonic() < deadline and command.process.poll() is None, "".join(command.lines[-30:])
         time.sleep(0.01)
     # Past the window in which a signal counts as a copy of the first; the slowed save is still running.
-    time.sleep(max(0.0, first + 1.5 * DUPLICATE_WINDOW_S - time.monotonic()))
+    time.sleep(max(0.0, received + 1.5 * DUPLICATE_WINDOW_S - time.monotonic()))
     assert [p.name for p in checkpoints.glob("step_????????")] == ["step_00000004"], "the save must still be running"
     os.kill(command.process.pid, signal.SIGTERM)
     status, _ = command.finish()
