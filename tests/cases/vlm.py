@@ -182,12 +182,14 @@ def train_vlm(config_path: str, overrides: list[str]) -> dict[str, Any]:
 
 
 def vlm_from_config_matches_seed(architecture: str, layout: dict[str, Any], seed: int) -> dict[str, Any]:
-    """``NeMoAutoModelForImageTextToText.from_config(config, seed=s)`` holds plain transformers' weights after
-    ``torch.manual_seed(s)``, on both towers."""
+    """``NeMoAutoModelForImageTextToText.from_config(config, seed=s, init="exact")`` holds plain transformers' weights
+    after ``torch.manual_seed(s)``, on both towers."""
     from tests.vlm_models import tiny_vlm_config
 
     config = tiny_vlm_config(architecture)
-    model = NeMoAutoModelForImageTextToText.from_config(config, mesh_context=MeshContext.build(**layout), seed=seed)
+    model = NeMoAutoModelForImageTextToText.from_config(
+        config, mesh_context=MeshContext.build(**layout), seed=seed, init="exact"
+    )
     torch.manual_seed(seed)
     reference = dict(AutoModelForImageTextToText.from_config(config).named_parameters())
     diffs = [
