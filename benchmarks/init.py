@@ -57,8 +57,8 @@ def _module_bytes(model) -> tuple[int, int]:
     return largest, total
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, size_gb: float, results) -> None:
-    init_rank(rank, world, port)
+def _rank_main(rank: int, world: int, rendezvous: str, mode: str, size_gb: float, results) -> None:
+    init_rank(rank, world, rendezvous)
     import torch
     import torch.distributed as dist
     import transformers.models.llama.modeling_llama  # noqa: F401  (imports stay outside the timed span)

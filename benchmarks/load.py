@@ -8,8 +8,13 @@ warms the page cache, then for each contender starts N fresh gloo ranks and meas
 
 - **time**: the load call plus one read of every local shard (so a lazy, memory-mapped load pays its I/O inside the
   timing); imports, process-group and mesh setup are outside it;
+- **CPU time**: the process's user + system CPU seconds over the same span (page faults included). On a machine
+  where ranks share cores with each other and with other work, wall time also measures the neighbours; CPU time
+  is the work the rank itself did, and its ratios are the stable ones;
 - **peak host memory growth**: the peak resident set size during that span minus the resident size before it (the
-  kernel's peak counter is reset right before the span, so pages a lazy load maps in are counted too).
+  kernel's peak counter is reset right before the span, so pages a lazy load maps in are counted too);
+- **disk reads**: bytes the span read from the block device (``ru_inblock``): nonzero means the page cache was not
+  warm after all (memory pressure from other processes evicted the checkpoint), and that run's time is I/O-bound.
 
 Contenders:
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import struct
 import time
@@ -160,8 +166,8 @@ def _local_tensors(loaded):
     return [p.to_local() if isinstance(p, DTensor) else p for p in [*loaded.parameters(), *loaded.buffers()]]
 
 
-def _rank_main(rank: int, world: int, port: int, contender: str, directory: str, results) -> None:
-    init_rank(rank, world, port)
+def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory: str, results) -> None:
+    init_rank(rank, world, rendezvous)
     import torch
     import torch.distributed as dist
 
@@ -177,14 +183,16 @@ def _rank_main(rank: int, world: int, port: int, contender: str, directory: str,
     dist.barrier()
     before = rss_bytes()
     reset_peak_rss()
-    start = time.perf_counter()
+    blocks = resource.getrusage(resource.RUSAGE_SELF).ru_inblock
+    start, cpu_start = time.perf_counter(), time.process_time()
     loaded = LOADERS[contender](Path(directory))
     with torch.no_grad():
         checksum = sum(float(tensor.float().sum()) for tensor in _local_tensors(loaded))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     peak = peak_rss_bytes()
+    disk = (resource.getrusage(resource.RUSAGE_SELF).ru_inblock - blocks) * 512
     local_bytes = sum(t.numel() * t.element_size() for t in _local_tensors(loaded))
-    results.put((rank, (seconds, peak - before, local_bytes, checksum)))
+    results.put((rank, (seconds, peak - before, local_bytes, checksum, cpu, disk)))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -202,6 +210,8 @@ def measure(directory: Path, contenders: list[str], world: int, repeats: int) ->
             "seconds": statistics.median(max(row[0] for row in run) for run in rows),
             "peak_growth": statistics.median(max(row[1] for row in run) for run in rows),
             "local_bytes": max(row[2] for row in rows[0]),
+            "cpu": statistics.median(max(row[4] for row in run) for run in rows),
+            "disk": max(row[5] for run in rows for row in run),
         }
         for contender, rows in runs.items()
     }
@@ -209,13 +219,19 @@ def measure(directory: Path, contenders: list[str], world: int, repeats: int) ->
 
 def print_table(measured: dict[str, dict[str, float]]) -> None:
     floor = measured.get("floor")
-    print(f"{'contender':<14}{'time (s)':>10}{'x floor':>9}{'peak growth (MiB)':>20}{'x floor':>9}{'local (MiB)':>13}")
+    print(
+        f"{'contender':<14}{'time (s)':>10}{'x floor':>9}{'cpu (s)':>9}{'x floor':>9}{'peak growth (MiB)':>19}"
+        f"{'x floor':>9}{'local (MiB)':>13}{'disk (MiB)':>12}"
+    )
     for contender, row in measured.items():
-        time_ratio = row["seconds"] / floor["seconds"] if floor else float("nan")
-        memory_ratio = row["peak_growth"] / floor["peak_growth"] if floor else float("nan")
+
+        def ratio(key: str, row: dict = row) -> float:
+            return row[key] / floor[key] if floor else float("nan")
+
         print(
-            f"{contender:<14}{row['seconds']:>10.2f}{time_ratio:>9.2f}{row['peak_growth'] / 2**20:>20.0f}"
-            f"{memory_ratio:>9.2f}{row['local_bytes'] / 2**20:>13.0f}",
+            f"{contender:<14}{row['seconds']:>10.2f}{ratio('seconds'):>9.2f}{row['cpu']:>9.2f}{ratio('cpu'):>9.2f}"
+            f"{row['peak_growth'] / 2**20:>19.0f}{ratio('peak_growth'):>9.2f}{row['local_bytes'] / 2**20:>13.0f}"
+            f"{row['disk'] / 2**20:>12.0f}",
             flush=True,
         )
 
@@ -264,6 +280,10 @@ def main() -> None:
         fixed, per_gb, residual = fit_line(sizes_gb, points)
         listing = ", ".join(f"{seconds:.2f}" for seconds in points)
         print(f"{contender:<14}{fixed:>10.2f}{per_gb:>10.2f}{residual:>13.2f}  {listing}")
+    print(f"\ncpu = fixed + per GB x size (worst rank, s)\n{'contender':<14}{'fixed':>10}{'per GB':>10}{'max dev':>13}")
+    for contender in contenders:
+        fixed, per_gb, residual = fit_line(sizes_gb, [by_size[size][contender]["cpu"] for size in sizes_gb])
+        print(f"{contender:<14}{fixed:>10.3f}{per_gb:>10.3f}{residual:>13.3f}")
     print("\npeak growth = fixed + per GB x size (MiB)")
     print(f"{'contender':<14}{'fixed':>10}{'per GB':>10}{'max dev':>13}  peak growth at each size")
     for contender in contenders:

@@ -71,8 +71,8 @@ def _build(contender: str, directory: Path, world: int):
     return AutoModelForCausalLM.from_pretrained(directory, distributed_config=config, dtype=torch.float32), world
 
 
-def _rank_main(rank: int, world: int, port: int, contender: str, directory: str, args: dict, results) -> None:
-    init_rank(rank, world, port)
+def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory: str, args: dict, results) -> None:
+    init_rank(rank, world, rendezvous)
     import torch
     import torch.distributed as dist
 

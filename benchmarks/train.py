@@ -7,8 +7,9 @@ blocks, with the chunked loss) vs a plain AdamW loop over transformers' own FSDP
 A random Llama (about 40 M parameters) is saved once. Every contender starts N fresh gloo ranks, loads it, and runs
 ``--warmup`` + ``--steps`` optimizer steps on the same random token batches: ``--global-batch`` sequences of
 ``--seq`` tokens per step, ``--micro-batch`` per forward (gradient accumulation), gradient clipping at 1.0, AdamW.
-Reported: global tokens/s of the median step and the ratio to the floor, and each rank's peak resident-memory
-growth during a step (the kernel's peak counter reset right before the step, minus the resident memory then; the
+Reported: global tokens/s of the median step and the ratio to the floor, the step's CPU seconds (user + system, the
+work the rank itself did: on cores shared with other work wall time also measures the neighbours), and each rank's
+peak resident-memory growth during a step (the kernel's peak counter reset right before the step, minus the resident memory then; the
 worst step of the worst rank).
 
 Scenarios:
@@ -120,8 +121,8 @@ def _step_floor_or_transformers(model, optimizer, micro_batches):
     optimizer.zero_grad(set_to_none=True)
 
 
-def _rank_main(rank: int, world: int, port: int, contender: str, directory: str, args: dict, results) -> None:
-    init_rank(rank, world, port)
+def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory: str, args: dict, results) -> None:
+    init_rank(rank, world, rendezvous)
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -156,19 +157,21 @@ def _rank_main(rank: int, world: int, port: int, contender: str, directory: str,
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
-    times, peaks = [], []
+    times, cpus, peaks = [], [], []
     for step in range(args["warmup"] + args["steps"]):
         micro_batches = _batches(args, rank, world, model.config.vocab_size, step)
         dist.barrier()
         reset_peak_rss()
         before = rss_bytes()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step_fn(micro_batches)
+        cpu = time.process_time() - cpu_start
         dist.barrier()
         if step >= args["warmup"]:
             times.append(time.perf_counter() - start)
+            cpus.append(cpu)
             peaks.append(peak_rss_bytes() - before)
-    results.put((rank, (statistics.median(times), max(peaks))))
+    results.put((rank, (statistics.median(times), statistics.median(cpus), max(peaks))))
     dist.destroy_process_group()
 
 
@@ -200,32 +203,35 @@ def main() -> None:
     rows = {}
     for contender in contenders:
         per_rank = run_ranks(_rank_main, options.nproc, contender, str(directory), args)
-        rows[contender] = (max(seconds for seconds, _ in per_rank), max(peak for _, peak in per_rank))
-        seconds, peak = rows[contender]
+        seconds, cpu, peak = (max(values) for values in zip(*per_rank, strict=True))
+        rows[contender] = {"seconds": seconds, "cpu": cpu, "peak": peak}
         print(
-            f"{contender}: {seconds:.3f} s/step, {tokens / seconds:.0f} tokens/s, peak step growth {peak / 2**20:.0f} MiB",
+            f"{contender}: {seconds:.3f} s/step ({cpu:.3f} CPU s), {tokens / seconds:.0f} tokens/s, peak step growth "
+            f"{peak / 2**20:.0f} MiB",
             flush=True,
         )
     print(
         f"\n{options.scenario}: {options.nproc} CPU ranks, {args['global_batch']}x{args['seq']} tokens per step, "
-        f"micro batch {args['micro_batch']}, vocabulary {scenario['model']['vocab_size']}"
+        f"micro batch {args['micro_batch']}, vocabulary {scenario['model']['vocab_size']}; worst rank, median step"
     )
     reference = "floor" if "floor" in rows else contenders[0]
-    ref_seconds, ref_peak = rows[reference]
+    ref = rows[reference]
+    header = f"x {reference}"
     print(
-        f"{'contender':<26} {'step s':>8} {'tokens/s':>10} {'x ' + reference:>12} {'peak MiB':>9} {'x ' + reference:>12}"
+        f"{'contender':<26} {'step s':>8} {'tokens/s':>10} {header:>12} {'CPU s':>8} {header:>12} {'peak MiB':>9} "
+        f"{header:>12}"
     )
-    for contender, (seconds, peak) in rows.items():
+    for contender, row in rows.items():
         print(
-            f"{contender:<26} {seconds:8.3f} {tokens / seconds:10.0f} {ref_seconds / seconds:12.2f} "
-            f"{peak / 2**20:9.0f} {peak / ref_peak:12.2f}"
+            f"{contender:<26} {row['seconds']:8.3f} {tokens / row['seconds']:10.0f} {ref['seconds'] / row['seconds']:12.2f} "
+            f"{row['cpu']:8.3f} {ref['cpu'] / row['cpu']:12.2f} {row['peak'] / 2**20:9.0f} {row['peak'] / ref['peak']:12.2f}"
         )
     for option in AUTOMODEL_OPTIONS:
         if "automodel" in rows and f"automodel+{option}" in rows:
-            (plain_s, plain_peak), (with_s, with_peak) = rows["automodel"], rows[f"automodel+{option}"]
+            plain, other = rows["automodel"], rows[f"automodel+{option}"]
             print(
-                f"automodel+{option} vs automodel: tokens/s x {plain_s / with_s:.2f}, peak step memory x "
-                f"{with_peak / plain_peak:.2f}"
+                f"automodel+{option} vs automodel: tokens/s x {plain['seconds'] / other['seconds']:.2f} (per CPU second "
+                f"x {plain['cpu'] / other['cpu']:.2f}), peak step memory x {other['peak'] / plain['peak']:.2f}"
             )
 
 
