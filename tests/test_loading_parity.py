@@ -145,3 +145,22 @@ def test_transformers_argument_conventions(checkpoints):
     assert model.config._attn_implementation == "eager" and model.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype='float33' is not a torch dtype"):
         NeMoAutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype="float33")
+
+
+@pytest.mark.parametrize(
+    "indices, runs",
+    [
+        ([], []),
+        ([7], [(7, 8)]),
+        ([0, 1, 2, 3], [(0, 4)]),
+        ([0, 1, 2, 5, 6, 9], [(0, 3), (5, 7), (9, 10)]),
+        ([4, 5, 0, 1], [(4, 6), (0, 2)]),  # local order, not sorted: a StridedShard's interleaving
+        ([3, 3, 4], [(3, 4), (3, 5)]),
+    ],
+)
+def test_index_runs_are_the_maximal_ascending_stretches_in_local_order(indices, runs):
+    import torch
+
+    from automodel.loading.placements import to_runs
+
+    assert to_runs(torch.tensor(indices, dtype=torch.long)) == runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["agree_or_raise", "rebuild_exception"]
@@ -21,12 +22,15 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
         if error is not None:
             raise error
         return
+    # One small reduction on the common path; the messages are gathered only when some rank failed.
+    any_failed = torch.tensor([0 if error is None else 1], device=_collective_device())
+    dist.all_reduce(any_failed, op=dist.ReduceOp.MAX)
+    if not any_failed.item():
+        return
     reports: list[tuple[str, str, str] | None] = [None] * dist.get_world_size()
     mine = None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
     dist.all_gather_object(reports, mine)
     failed = {rank: report for rank, report in enumerate(reports) if report is not None}
-    if not failed:
-        return
     details = "\n".join(f"  rank {rank}: {name}: {message}" for rank, (_, name, message) in sorted(failed.items()))
     module, qualname, _ = failed[min(failed)]
     combined = rebuild_exception(
@@ -35,6 +39,18 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
     if error is not None:
         raise combined from error
     raise combined
+
+
+def _collective_device() -> torch.device:
+    """Where the default group reduces: the CPU when its backend takes CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl``
+    pair), else the current accelerator (NCCL)."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def rebuild_exception(module: str, qualname: str, message: str) -> Exception:

@@ -58,13 +58,8 @@ def to_runs(indices: torch.Tensor) -> list[tuple[int, int]]:
     """Split an index vector into maximal contiguous ascending runs ``[(start, stop), ...]`` (in order)."""
     if indices.numel() == 0:
         return []
-    values = indices.tolist()
-    runs = []
-    start = previous = values[0]
-    for value in values[1:]:
-        if value != previous + 1:
-            runs.append((start, previous + 1))
-            start = value
-        previous = value
-    runs.append((start, previous + 1))
-    return runs
+    # With tensor ops: a shard's index vector is thousands long, and a Python loop over it costs more than its read.
+    breaks = torch.nonzero(indices[1:] != indices[:-1] + 1).flatten() + 1
+    firsts = torch.cat([breaks.new_zeros(1), breaks])
+    lasts = torch.cat([breaks - 1, breaks.new_full((1,), indices.numel() - 1)])
+    return list(zip(indices[firsts].tolist(), (indices[lasts] + 1).tolist(), strict=True))
