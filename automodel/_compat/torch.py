@@ -10,6 +10,7 @@ ecosystem do; it has not changed since torch 1.0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "TorchDispatchMode",
     "all_gather",
     "all_gather_autograd",
+    "apply_to_tensors",
     "default_process_group",
     "flatten_mesh",
     "fsdp_param_groups",
@@ -137,6 +139,13 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """The dims of ``mesh`` (a slice of the dense mesh) as one 1-D mesh named ``name``, the axes FSDP2 and the loss
     reductions run over (``DeviceMesh._flatten``). Known: 2.12.1 - 2.14.1 (the releases checked)."""
     return mesh._flatten(mesh_dim_name=name)
+
+
+def apply_to_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], *, recurse: bool = True) -> None:
+    """Replace every parameter's and buffer's data by ``fn(tensor)`` as ``Module.to_empty`` does (``nn.Module._apply``,
+    the conversion ``to``, ``to_empty`` and FSDP2's re-padding of its shards go through), with a function of our own.
+    Known: 2.9.0 - 2.14.1."""
+    module._apply(fn, recurse=recurse)
 
 
 def split_placement(placement: Placement, tensor: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from automodel._compat.torch import apply_to_tensors
 from automodel.distributed.model_structure import retie_parameters, tied_parameter_names
 from automodel.distributed.runtime import is_rank_zero
 
@@ -36,7 +38,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> set[str]:
     tied = tied_parameter_names(model)
     allocated: set[str] = set()
     if all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        model.to_empty(device=device)
+        apply_to_tensors(model, _empty_on(device))
         allocated = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     else:
         for module_name, module in model.named_modules():
@@ -44,13 +46,30 @@ def materialize(model: nn.Module, device: torch.device | str) -> set[str]:
             if not any(t is not None and t.is_meta for t in own.values()):
                 continue
             kept = {name: t for name, t in own.items() if t is not None and not t.is_meta}
-            module.to_empty(device=device, recurse=False)
+            apply_to_tensors(module, _empty_on(device), recurse=False)
             for name, tensor in kept.items():
                 (module._parameters if name in module._parameters else module._buffers)[name] = tensor
             prefix = f"{module_name}." if module_name else ""
             allocated |= {f"{prefix}{name}" for name, t in own.items() if t is not None and name not in kept}
     retie_parameters(model, tied)
     return allocated
+
+
+def _empty_on(device: torch.device | str):
+    """``Module.to_empty``'s ``empty_like``, with a ``DTensor``'s local shard allocated directly and wrapped in the same
+    placements: ``empty_like`` on a sharded meta ``DTensor`` goes through DTensor's sharding propagation, which costs
+    about as much CPU as FSDP2's wrapping of the whole model."""
+
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, DTensor):
+            return torch.empty_like(tensor, device=device)
+        local = tensor.to_local()
+        storage = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device)
+        return DTensor.from_local(
+            storage, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+
+    return empty
 
 
 @dataclass

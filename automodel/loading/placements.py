@@ -59,7 +59,10 @@ def to_runs(indices: torch.Tensor) -> list[tuple[int, int]]:
     if indices.numel() == 0:
         return []
     # With tensor ops: a shard's index vector is thousands long, and a Python loop over it costs more than its read.
-    breaks = torch.nonzero(indices[1:] != indices[:-1] + 1).flatten() + 1
+    steps = indices.diff()
+    if bool((steps == 1).all()):  # one run, the common case (a Shard's chunk, an unsharded dim)
+        return [(int(indices[0]), int(indices[-1]) + 1)]
+    breaks = torch.nonzero(steps != 1).flatten() + 1
     firsts = torch.cat([breaks.new_zeros(1), breaks])
     lasts = torch.cat([breaks - 1, breaks.new_full((1,), indices.numel() - 1)])
     return list(zip(indices[firsts].tolist(), (indices[lasts] + 1).tolist(), strict=True))
