@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cases.dense import dense_parity, sequence_parallel_is_active
+from tests.cases.dense import dense_parity, replicated_layers_parity, sequence_parallel_is_active
 
 TOLERANCE = 1e-5
 
@@ -57,3 +57,11 @@ def test_sequence_parallel_shards_the_decoder_activations(ranks2):
     for result in results:
         assert result["norm_seq"] == result["seq"] // 2, result
         assert result["norm_is_dtensor"], result
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("activation_checkpointing", [False, "full", "selective"])
+def test_layers_outside_the_tp_plan_run_replicated_under_sequence_parallelism(ranks2, activation_checkpointing):
+    """Selective checkpointing replays a block's ops one by one: the swap of replicas to local tensors must run
+    inside the checkpoint in forward as in the recomputation (it once ran outside in forward only: a backward error)."""
+    _assert_parity(ranks2.run(replicated_layers_parity, activation_checkpointing))

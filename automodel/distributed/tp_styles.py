@@ -146,9 +146,17 @@ def _swap_replicas_around_forward(module: nn.Module, covered: list[tuple[nn.Modu
     # recomputation too.
     attribute = "_automodel_checkpointed_forward" if hasattr(module, "_automodel_checkpointed_forward") else "forward"
     forward = getattr(module, attribute)
+    deferred: set[int] | None = None  # found on the first call, when activation checkpointing has been applied
 
     def forward_on_local_replicas(*args: Any, **kwargs: Any) -> Any:
-        swapped = [(sub, name, sub._parameters[name]) for sub, name in covered if is_replicated(sub._parameters[name])]
+        nonlocal deferred
+        if deferred is None:
+            deferred = _inside_checkpointed_descendants(module)
+        swapped = [
+            (sub, name, sub._parameters[name])
+            for sub, name in covered
+            if id(sub) not in deferred and is_replicated(sub._parameters[name])
+        ]
         for sub, name, param in swapped:
             sub._parameters[name] = param.to_local()
         try:
@@ -158,6 +166,18 @@ def _swap_replicas_around_forward(module: nn.Module, covered: list[tuple[nn.Modu
                 sub._parameters[name] = param
 
     setattr(module, attribute, forward_on_local_replicas)
+
+
+def _inside_checkpointed_descendants(module: nn.Module) -> set[int]:
+    """The modules inside a checkpointed strict descendant of ``module``: that descendant's own wrapper swaps their
+    replicas, inside its checkpoint, so that its forward and its recomputation run the same ops (selective
+    checkpointing replays them one by one; a swap done outside in forward but inside in the recomputation would add
+    ``to_local`` views to the recomputation only)."""
+    inside: set[int] = set()
+    for descendant in module.modules():
+        if descendant is not module and getattr(descendant, "_automodel_checkpointed", False):
+            inside |= {id(sub) for sub in descendant.modules()}
+    return inside
 
 
 def shards_output(style: TensorParallelLayer) -> bool:

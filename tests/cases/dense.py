@@ -44,6 +44,22 @@ def sequence_parallel_is_active(tie: bool) -> dict[str, Any]:
     return result
 
 
+def replicated_layers_parity(activation_checkpointing: Any) -> dict[str, Any]:
+    """A TP plan that leaves the decoder layers out (only the embedding is sharded) under TP + SP: the layers' weights
+    are replicas computed on as local tensors, their blocks run on the whole sequence, and checkpointing (full or
+    selective) recomputes them exactly as their forward ran."""
+    from automodel.distributed.tensor_parallel import set_user_tp_plan
+
+    context = MeshContext.build(
+        "fsdp2", tp_size=context_tp_size(), sequence_parallel=True, activation_checkpointing=activation_checkpointing
+    )
+    reference = build_model(tiny_llama_config())
+    model = copy.deepcopy(reference)
+    set_user_tp_plan(model, {"model.embed_tokens": "embedding_rowwise"})
+    model = ModelParallelizer().parallelize(model, context)
+    return compare_with_reference(reference, model, context, token_batch())
+
+
 def context_tp_size() -> int:
     """All ranks on the TP axis."""
     return dist.get_world_size()
