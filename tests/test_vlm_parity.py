@@ -28,12 +28,17 @@ LAYOUTS = {
         4,
         {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True, "activation_checkpointing": "full"},
     ),
+    "fsdp2_tp_sp_2x2_sac": (
+        4,
+        {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True, "activation_checkpointing": "selective"},
+    ),
 }
 QUICK = {
     ("llava", "fsdp2_tp_2x2"),
     ("qwen2_5_vl", "fsdp2_tp_2x2_ac"),
     ("idefics3", "hsdp_2x2"),
     ("qwen3_vl", "fsdp2_tp_sp_2x2_ac"),
+    ("qwen3_vl", "fsdp2_tp_sp_2x2_sac"),
 }
 
 
