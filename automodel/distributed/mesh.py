@@ -288,6 +288,7 @@ class MeshContext:
             raise ValueError(f"moe_mesh axes {moe_mesh.mesh_dim_names} must be exactly {MOE_AXES}.")
         if names != DENSE_AXES:
             device_mesh = _complete_dense_mesh(device_mesh, names)
+        _register_gloo_exit_grace()
         flattened = _flatten_dense_axes(device_mesh)
         strategy = strategy_from_name(strategy)
         sizes = dict(zip(DENSE_AXES, device_mesh.mesh.shape, strict=True))
