@@ -166,10 +166,10 @@ def _exit_without_teardown(status: int) -> NoReturn:
     """End a training process whose work is done and written: Python's exit handlers run (logging, temporary files),
     then the process exits without the interpreter's and the native libraries' teardown.
 
-    That teardown has nothing left to release that the OS does not, and in some torch builds it aborts ("terminate
-    called without an active exception", SIGABRT, after the last line of Python ran: about 1 run in 10 of a two-rank
-    run with torch 2.12.1's CUDA wheel on a machine without a GPU). torchrun would report that finished run as
-    failed."""
+    That teardown has nothing left to release that the OS does not, and it can abort: a gloo worker thread that
+    releases a just-finished collective's tensor needs the GIL, and if the interpreter is shutting down by then the
+    process ends with SIGABRT ("terminate called without an active exception"; about 1 run in 10 of two side-by-side
+    loops of two-rank runs with torch 2.12.1). torchrun would report that finished run as failed."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
