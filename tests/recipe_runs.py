@@ -58,13 +58,21 @@ class Command:
             text=True,
             env=env,
         )
+        # Each pipe has one reader of its own: `communicate()` would read stderr too, and a line it took (the one a
+        # test looks for) would never reach `lines`.
         self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self._stdout: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.process.stderr, self.lines), daemon=True),
+            threading.Thread(target=self._read, args=(self.process.stdout, self._stdout), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
 
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line)
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
 
     def wait_for(self, text: str, timeout: float = 240, count: int = 1) -> None:
         """Until ``count`` lines of the output contain ``text``."""
@@ -75,9 +83,12 @@ class Command:
             time.sleep(0.05)
 
     def finish(self, timeout: float = 240) -> tuple[int, str]:
-        stdout, _ = self.process.communicate(timeout=timeout)
-        self._reader.join(timeout=10)
-        return self.process.returncode, stdout
+        """The command's exit status and its whole stdout, once it and every process writing its output ended."""
+        deadline = time.monotonic() + timeout
+        self.process.wait(timeout=timeout)
+        for reader in self._readers:  # until EOF: the workers share the command's pipes
+            reader.join(timeout=max(0.0, deadline - time.monotonic()))
+        return self.process.returncode, "".join(self._stdout)
 
     def workers(self) -> list[int]:
         """The training processes: the children of torchrun, the command's child."""
