@@ -8,11 +8,15 @@ is torn down (a rank stuck in a collective cannot be trusted), so the next case 
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -33,7 +37,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def _stack_file(stack_dir: str, rank: int) -> str:
+    return os.path.join(stack_dir, f"rank{rank}.stacks")
+
+
+def _worker(rank: int, world_size: int, port: int, stack_dir: str, tasks: mp.Queue, results: mp.Queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -45,6 +53,10 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     import torch
     import torch.distributed as dist
 
+    # A case that outruns its timeout gets every thread's Python stack written here (SIGUSR2: the preemption handler
+    # under test takes SIGUSR1) and quoted in the failure report, so a hang in CI names the collective it waits in.
+    stacks = open(_stack_file(stack_dir, rank), "w")  # noqa: SIM115 - open for the worker's lifetime
+    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=CASE_TIMEOUT_S))
@@ -74,18 +86,22 @@ class RankPool:
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         port = _free_port()
+        self._stack_dir = tempfile.mkdtemp(prefix="rank-pool-stacks-")
         self._processes = [
             context.Process(
-                target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results), daemon=True
+                target=_worker,
+                args=(rank, self.world_size, port, self._stack_dir, self._tasks[rank], self._results),
+                daemon=True,
             )
             for rank in range(self.world_size)
         ]
         for process in self._processes:
             process.start()
         outcomes = self._collect(STARTUP_TIMEOUT_S, "start the process group")
-        if any(status != "ready" for status, _ in outcomes.values()):
+        if len(outcomes) < self.world_size or any(status != "ready" for status, _ in outcomes.values()):
+            exit_codes = {rank: process.exitcode for rank, process in enumerate(self._processes)}
             self.close()
-            raise RankFailure(_describe("starting the rank group", outcomes, self.world_size))
+            raise RankFailure(_describe("starting the rank group", outcomes, exit_codes, {}))
 
     def run(self, fn: Any, *args: Any, timeout: float = CASE_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
@@ -95,9 +111,26 @@ class RankPool:
             tasks.put((fn.__module__, fn.__qualname__, args, kwargs))
         outcomes = self._collect(timeout, fn.__qualname__)
         if len(outcomes) < self.world_size or any(status != "ok" for status, _ in outcomes.values()):
+            stacks = self._stacks_of_silent_ranks(outcomes)
+            exit_codes = {rank: process.exitcode for rank, process in enumerate(self._processes)}
             self.close()
-            raise RankFailure(_describe(fn.__qualname__, outcomes, self.world_size))
+            raise RankFailure(_describe(fn.__qualname__, outcomes, exit_codes, stacks))
         return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def _stacks_of_silent_ranks(self, outcomes: dict[int, tuple[str, Any]]) -> dict[int, str]:
+        """Every thread's Python stack in each live rank that did not answer (faulthandler's dump on SIGUSR2)."""
+        silent = [rank for rank, process in enumerate(self._processes) if rank not in outcomes and process.is_alive()]
+        for rank in silent:
+            os.kill(self._processes[rank].pid, signal.SIGUSR2)
+        stacks: dict[int, str] = {}
+        deadline = time.monotonic() + GRACE_AFTER_FAILURE_S
+        while len(stacks) < len(silent) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            for rank in silent:
+                with open(_stack_file(self._stack_dir, rank)) as dump:
+                    if text := dump.read():
+                        stacks[rank] = text.rstrip()
+        return stacks
 
     def _collect(self, timeout: float, what: str) -> dict[int, tuple[str, Any]]:
         outcomes: dict[int, tuple[str, Any]] = {}
@@ -131,13 +164,24 @@ class RankPool:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
+        if self._processes:
+            shutil.rmtree(self._stack_dir, ignore_errors=True)
         self._processes = []
 
 
-def _describe(what: str, outcomes: dict[int, tuple[str, Any]], world_size: int) -> str:
-    lines = [f"{what} failed on the rank group of {world_size}:"]
-    for rank in range(world_size):
-        status, value = outcomes.get(rank, ("no answer (hung or died)", None))
+def _describe(
+    what: str,
+    outcomes: dict[int, tuple[str, Any]],
+    exit_codes: dict[int, int | None],
+    stacks: dict[int, str],
+) -> str:
+    lines = [f"{what} failed on the rank group of {len(exit_codes)}:"]
+    for rank in sorted(exit_codes):
+        code = exit_codes[rank]
+        silent = "no answer (hung)" if code is None else f"no answer (died with exit code {code})"
+        status, value = outcomes.get(rank, (silent, None))
         detail = value if status == "error" else ""
+        if rank in stacks:
+            detail = f"its Python stacks (faulthandler):\n{stacks[rank]}"
         lines.append(f"--- rank {rank}: {status}\n{detail}".rstrip())
     return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""The rank pool itself: a failure that one rank sees fails the case with that rank's message, without hanging."""
+"""The rank pool itself: a failure that one rank sees fails the case with that rank's message, without hanging; a
+hung rank is named as hung with its Python stack printed, a dead one with its exit code; the pool starts afresh for
+the next case."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import time
 
 import pytest
 
+from tests.cases.harness import exit_on_rank_one, stall_on_rank_one
 from tests.cases.hooks import fail_on_rank, rank_id
 from tests.harness import RankFailure
 
@@ -20,4 +23,23 @@ def test_one_failing_rank_fails_the_case_on_every_rank_without_hanging(ranks2):
     assert "rank 0: no answer" in str(info.value)
     assert time.monotonic() - start < 60
     # The pool restarts cleanly for the next case.
+    assert ranks2.run(rank_id) == [0, 1]
+
+
+def test_a_hung_rank_is_reported_with_its_stack(ranks2):
+    with pytest.raises(RankFailure) as failure:
+        ranks2.run(stall_on_rank_one, timeout=5.0)
+    report = str(failure.value)
+    assert "--- rank 0: ok" in report, report
+    # faulthandler's dump of rank 1: every thread, the main one inside the case.
+    assert "--- rank 1: no answer (hung)\nits Python stacks (faulthandler):" in report, report
+    assert "in stall_on_rank_one" in report, report
+    # The pool was torn down; the next case gets a fresh rank group.
+    assert ranks2.run(rank_id) == [0, 1]
+
+
+def test_a_dead_rank_is_reported_with_its_exit_code(ranks2):
+    with pytest.raises(RankFailure) as failure:
+        ranks2.run(exit_on_rank_one)
+    assert "--- rank 1: no answer (died with exit code 3)" in str(failure.value), failure.value
     assert ranks2.run(rank_id) == [0, 1]

@@ -19,6 +19,8 @@ from automodel._compat.transformers import (
     replace_layer_number_by_wildcard,
 )
 
+from .tp_styles import hand_back_owned_outputs
+
 __all__ = [
     "EXPERT_DISPATCH_STYLE",
     "EXPERT_STYLES",
@@ -76,6 +78,8 @@ def install_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: Devi
             style.shard_param(modules[module_name], param_name, ep_mesh)
         elif style_name == EXPERT_DISPATCH_STYLE:
             style.install_forward(modules[name], ep_mesh=ep_mesh, tp_mesh=tp_mesh, ep_implementation="all_to_all")
+            # With TP the combined output is a ``to_local`` view, and these modules become FSDP units.
+            hand_back_owned_outputs(modules[name])
         else:
             style.install_forward(modules[name], ep_mesh)
 

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from automodel._compat.torch import default_process_group, flatten_mesh
 
 from .config import DDPConfig, MegatronFSDPConfig, MoEConfig, StrategyConfig, strategy_from_name
+from .runtime import collective_device
 
 __all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "ActivationCheckpointing", "MeshContext", "check_layout"]
 
@@ -90,12 +91,6 @@ def _register_gloo_exit_grace() -> None:
     if not _gloo_exit_grace_registered and "gloo" in str(dist.get_backend()):
         _gloo_exit_grace_registered = True
         atexit.register(_let_gloo_workers_finish)
-
-
-def _device_type() -> str:
-    """The mesh device type that matches the default process group's backend (gloo -> cpu, nccl -> cuda)."""
-    backend = str(dist.get_backend()).lower()
-    return "cuda" if "nccl" in backend else "cpu"
 
 
 def _check_positive(**sizes: int) -> None:
@@ -246,7 +241,9 @@ class MeshContext:
         dp_shard = _validate_layout(
             strategy, world_size, dp_replicate_size, tp_size, cp_size, ep_size, sequence_parallel
         )
-        mesh, flattened, moe_mesh = _meshes(_device_type(), (dp_replicate_size, dp_shard, cp_size, tp_size), ep_size)
+        mesh, flattened, moe_mesh = _meshes(
+            collective_device().type, (dp_replicate_size, dp_shard, cp_size, tp_size), ep_size
+        )
         return cls(
             device_mesh=mesh,
             strategy=strategy,

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 if TYPE_CHECKING:
     from .mesh import MeshContext
 
-__all__ = ["device_of", "full_tensor", "is_rank_zero", "log_rank_zero"]
+__all__ = ["collective_device", "device_of", "full_tensor", "is_rank_zero", "log_rank_zero"]
 
 
 def is_rank_zero() -> bool:
@@ -25,6 +25,16 @@ def log_rank_zero(logger: logging.Logger, message: str, *args: Any, level: int =
     """``logger.log(level, message, *args)`` on rank 0 only (every rank would print the same line)."""
     if is_rank_zero():
         logger.log(level, message, *args)
+
+
+def collective_device() -> torch.device:
+    """The device whose tensors the default process group's collectives take: the CPU under gloo (or MPI), else the
+    current accelerator (NCCL, or a ``cpu:gloo,cuda:nccl`` pair). Meshes are built on its type."""
+    backend = str(dist.get_backend()).lower()
+    accelerator = torch.accelerator.current_accelerator()
+    if backend in ("gloo", "mpi") or accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def device_of(mesh_context: MeshContext | None) -> torch.device:

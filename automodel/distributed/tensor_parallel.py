@@ -29,6 +29,7 @@ from .tp_styles import (
     SequenceParallelRowwise,
     TensorParallelLayer,
     install_module_style,
+    owned_local,
     packed_fused_projections,
     places_own_parameters,
     replicate_on_mesh,
@@ -360,11 +361,8 @@ def _rescatter_block_output_hook(mesh: DeviceMesh, seen: dict[str, tuple[int, in
 
 def _gather_sequence_hook(mesh: DeviceMesh):
     def gather(local):
-        return (
-            DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
-            .redistribute(placements=[Replicate()])
-            .to_local()
-        )
+        whole = DTensor.from_local(local, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+        return owned_local(whole.to_local())
 
     def hook(module, args, output):
         if isinstance(output, tuple):

@@ -49,7 +49,9 @@ from automodel._compat.transformers import (
 
 __all__ = [
     "REPLICATED_WITH_GRAD_ALLREDUCE_ONCE",
+    "hand_back_owned_outputs",
     "is_replicated",
+    "owned_local",
     "places_own_parameters",
     "replicate_on_mesh",
     "ReplicatedWithGradAllReduceOnce",
@@ -198,7 +200,7 @@ def install_module_style(model: nn.Module, module: nn.Module, style: TensorParal
         _install_partial_sum_block(module, mesh)
     else:
         style.install_forward(module, mesh)
-    _hand_back_owned_outputs(module)
+    hand_back_owned_outputs(module)
 
 
 def _post_processes_lookup(module: nn.Module) -> bool:
@@ -268,21 +270,26 @@ class _Owned(torch.autograd.Function):
         return grad
 
 
-def _hand_back_owned_outputs(module: nn.Module) -> None:
-    """Wrap ``module.forward`` so that outputs ``DTensor.to_local`` returned (views of a temporary that nothing else
-    references) come back as owned aliases: no copy, and ``out.add_(...)`` in the model is allowed as without TP."""
-    forward = module.forward
+def owned_local(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as an owned alias when it is a view ``DTensor.to_local`` returned (of a temporary that nothing else
+    references): no copy, and the model may modify it in place as without TP. An FSDP2 unit returning it keeps the
+    backward hook FSDP2 puts on its output through such an update (torch 2.14 warns about every view a unit
+    returns)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        # Without autograd nothing tracks the view; in a compiled block AOTAutograd functionalizes in-place updates
+        # of views (and `_is_view` cannot be traced).
+        return tensor
+    return _Owned.apply(tensor) if is_to_local_view(tensor) else tensor
 
-    def owned(tensor: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            # In a compiled block AOTAutograd functionalizes in-place updates of views: nothing to hand back (and
-            # `_is_view` cannot be traced).
-            return tensor
-        return _Owned.apply(tensor) if is_to_local_view(tensor) else tensor
+
+def hand_back_owned_outputs(module: nn.Module) -> None:
+    """Wrap ``module.forward`` so that outputs ``DTensor.to_local`` returned come back as owned aliases
+    (``owned_local``)."""
+    forward = module.forward
 
     def forward_with_owned_outputs(*args: Any, **kwargs: Any) -> Any:
         output = forward(*args, **kwargs)
-        return tree_map_only(torch.Tensor, owned, output) if torch.is_grad_enabled() else output
+        return tree_map_only(torch.Tensor, owned_local, output) if torch.is_grad_enabled() else output
 
     module.forward = forward_with_owned_outputs
 

@@ -7,6 +7,8 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from automodel.distributed.runtime import collective_device
+
 __all__ = ["agree_or_raise", "rebuild_exception"]
 
 
@@ -23,7 +25,7 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
             raise error
         return
     # One small reduction on the common path; the messages are gathered only when some rank failed.
-    any_failed = torch.tensor([0 if error is None else 1], device=_collective_device())
+    any_failed = torch.tensor([0 if error is None else 1], device=collective_device())
     dist.all_reduce(any_failed, op=dist.ReduceOp.MAX)
     if not any_failed.item():
         return
@@ -39,18 +41,6 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
     if error is not None:
         raise combined from error
     raise combined
-
-
-def _collective_device() -> torch.device:
-    """Where the default group reduces: the CPU when its backend takes CPU tensors (gloo, or a ``cpu:gloo,cuda:nccl``
-    pair), else the current accelerator (NCCL)."""
-    backend = str(dist.get_backend())
-    if "gloo" in backend or "mpi" in backend:
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def rebuild_exception(module: str, qualname: str, message: str) -> Exception:

@@ -92,4 +92,24 @@ def parity_or_refusal(layout: dict[str, Any], architecture: str) -> dict[str, An
         model = ModelParallelizer().parallelize(copy.deepcopy(reference), context)
     except ValueError as error:
         return {"refused": str(error)}
-    return {"refused": None, **compare_with_reference(reference, model, context, token_batch())}
+    views = _record_view_outputs_of_fsdp_units(model)
+    return {"refused": None, **compare_with_reference(reference, model, context, token_batch()), "view_outputs": views}
+
+
+def _record_view_outputs_of_fsdp_units(model: torch.nn.Module) -> list[str]:
+    """The FSDP units that return a view in the next forwards (an in-place op on it would drop FSDP2's pre-backward
+    hook; torch >= 2.14 warns about each)."""
+    views: list[str] = []
+
+    def record(name: str):
+        def hook(module, args, output):
+            first = output[0] if isinstance(output, tuple) else output
+            if isinstance(first, torch.Tensor) and first._is_view() and name not in views:
+                views.append(name)
+
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            module.register_forward_hook(record(name))
+    return views
