@@ -347,11 +347,8 @@ def _rescatter_block_output_hook(mesh: DeviceMesh, seen: dict[str, tuple[int, in
     def split(full: torch.Tensor) -> torch.Tensor:
         if full.ndim < 2 or tuple(full.shape[:2]) != seen["shape"]:
             return full
-        return (
-            DTensor.from_local(full, mesh, [Replicate()], run_check=False)
-            .redistribute(placements=[Shard(1)])
-            .to_local()
-        )
+        shard = DTensor.from_local(full, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+        return owned_local(shard.to_local())
 
     def hook(module, args, output):
         return tree_map_only(torch.Tensor, split, output)
