@@ -273,7 +273,7 @@ class _Owned(torch.autograd.Function):
 def owned_local(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as an owned alias when it is a view ``DTensor.to_local`` returned (of a temporary that nothing else
     references): no copy, and the model may modify it in place as without TP. An FSDP2 unit returning it keeps the
-    backward hook FSDP2 puts on its output through such an update (torch 2.14 warns about every view a unit
+    backward hook FSDP2 puts on its output through such an update (FSDP2 warns about every view a unit
     returns)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         # Without autograd nothing tracks the view; in a compiled block AOTAutograd functionalizes in-place updates

@@ -98,7 +98,7 @@ def parity_or_refusal(layout: dict[str, Any], architecture: str) -> dict[str, An
 
 def _record_view_outputs_of_fsdp_units(model: torch.nn.Module) -> list[str]:
     """The FSDP units that return a view in the next forwards (an in-place op on it would drop FSDP2's pre-backward
-    hook; torch >= 2.14 warns about each)."""
+    hook; FSDP2 warns about each)."""
     views: list[str] = []
 
     def record(name: str):
