@@ -54,6 +54,8 @@ class _NeMoAutoBase:
     """Shared implementation; subclasses name the transformers auto class they mirror."""
 
     _auto_class: ClassVar[type]
+    #: The auto class's mapping from config classes to model classes (transformers' public ``MODEL_*_MAPPING``).
+    _auto_mapping: ClassVar[Any]
 
     @classmethod
     def from_pretrained(
@@ -235,11 +237,11 @@ class _NeMoAutoBase:
         kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
-        sidecar = _registered_class(config)
+        model_class = cls._model_class(config)
         torch.manual_seed(seed)
-        if sidecar is not None:
+        if model_class is not None:
             kwargs.pop("trust_remote_code")
-            reference = build_from_config(sidecar, config, **kwargs)
+            reference = build_from_config(model_class, config, **kwargs)
         else:
             reference = cls._auto_class.from_config(config, **kwargs)
         _keep_in_fp32(reference, dtype)
@@ -263,14 +265,30 @@ class _NeMoAutoBase:
         kwargs: dict[str, Any] = {"dtype": dtype}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
-        sidecar = _registered_class(config)
+        model_class = cls._model_class(config)
         with torch.device("meta"):
-            if sidecar is not None:
-                model = build_from_config(sidecar, config, **kwargs)
+            if model_class is not None:
+                model = build_from_config(model_class, config, **kwargs)
             else:
                 model = cls._auto_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
         _keep_in_fp32(model, dtype)
         return model
+
+    @classmethod
+    def _model_class(cls, config: PretrainedConfig) -> type | None:
+        """The class to build instead of the auto class's choice (``None``: the auto class chooses): the sidecar
+        class registered for the config's architecture; else, where the auto class has no entry for the config's
+        class, the transformers class the config names in ``architectures`` (a sub-model's config: Emu3ForCausalLM
+        saves an Emu3TextConfig, which plain transformers' auto class cannot map back to a model)."""
+        sidecar = _registered_class(config)
+        if sidecar is not None or type(config) in cls._auto_mapping:
+            return sidecar
+        for name in getattr(config, "architectures", None) or []:
+            candidate = getattr(transformers, name, None)
+            if isinstance(candidate, type) and issubclass(candidate, PreTrainedModel):
+                if isinstance(config, candidate.config_class):
+                    return candidate
+        return None
 
 
 def _registered_class(config: PretrainedConfig) -> type | None:
@@ -296,12 +314,14 @@ class NeMoAutoModelForCausalLM(_NeMoAutoBase):
     """``transformers.AutoModelForCausalLM``, loaded straight into a parallelized model."""
 
     _auto_class = AutoModelForCausalLM
+    _auto_mapping = transformers.MODEL_FOR_CAUSAL_LM_MAPPING
 
 
 class NeMoAutoModel(_NeMoAutoBase):
     """``transformers.AutoModel`` (models without a causal-LM head), loaded straight into a parallelized model."""
 
     _auto_class = AutoModel
+    _auto_mapping = transformers.MODEL_MAPPING
 
 
 class NeMoAutoModelForImageTextToText(_NeMoAutoBase):
@@ -317,6 +337,7 @@ class NeMoAutoModelForImageTextToText(_NeMoAutoBase):
     """
 
     _auto_class = AutoModelForImageTextToText
+    _auto_mapping = transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
 
 class NeMoAutoModelForSequenceClassification(_NeMoAutoBase):
@@ -326,6 +347,7 @@ class NeMoAutoModelForSequenceClassification(_NeMoAutoBase):
     every TP rank)."""
 
     _auto_class = AutoModelForSequenceClassification
+    _auto_mapping = transformers.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 
 def _resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:

@@ -114,3 +114,33 @@ def gradient_differences(reference: nn.Module, model: nn.Module) -> dict[str, An
 def worst(result: dict[str, Any]) -> float:
     """The largest of the output, loss and gradient differences of a comparison."""
     return max(result["logits"], result["loss"], result["grad"])
+
+
+def tensor_differences(reference: nn.Module, model: nn.Module) -> list[str]:
+    """Every parameter and buffer (by every name, tied aliases included) whose value in ``model`` (``full_tensor()``
+    of a sharded one) is not exactly the reference's, NaN-aware; names either side lacks; and tied groups of the
+    reference that ``model`` no longer shares. Collective when ``model`` is sharded (every rank, the same order)."""
+    expected = {**dict(reference.named_parameters(remove_duplicate=False)), **dict(reference.named_buffers())}
+    actual = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    differences = [f"{name} (missing)" for name in expected if name not in actual]
+    differences += [f"{name} (extra)" for name in actual if name not in expected]
+    for name, tensor in expected.items():
+        if name in actual and not _exactly_equal(tensor.detach(), full_tensor(actual[name].detach())):
+            differences.append(name)
+    groups: dict[int, list[str]] = {}
+    for name, param in reference.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    for names in groups.values():
+        present = [name for name in names if name in actual]
+        if len({id(actual[name]) for name in present}) > 1:
+            differences.append(f"{' = '.join(present)} (no longer tied)")
+    return differences
+
+
+def _exactly_equal(expected: torch.Tensor, actual: torch.Tensor) -> bool:
+    if expected.shape != actual.shape or expected.dtype != actual.dtype:
+        return False
+    if expected.is_floating_point():
+        nan = expected.isnan()
+        return torch.equal(nan, actual.isnan()) and torch.equal(expected[~nan], actual[~nan])
+    return torch.equal(expected, actual)

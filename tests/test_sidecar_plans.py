@@ -70,6 +70,7 @@ def test_default_plan_fails_where_the_sidecar_matches_transformers(ranks2, model
     for result in ranks2.run(default_versus_sidecar, model_type, {"strategy": "fsdp2", "tp_size": 2}):
         default, sidecar = result["default"], result["sidecar"]
         assert sidecar["status"] == "ok", sidecar
+        assert not sidecar["tensor_differences"], sidecar
         assert max(sidecar["logits"], sidecar["loss"], sidecar["grad"]) <= TOLERANCE, sidecar
         # transformers' own plan: a shape error (Doge), a mixed DTensor read (Gemma 4), wrong numbers (Gemma 3n).
         failed = default["status"] != "ok" or max(default["logits"], default["grad"]) > 100 * TOLERANCE

@@ -1,10 +1,12 @@
-"""Every causal-LM architecture of transformers under the parallelizer the auto classes use (a registered
-sidecar's, else the default ``ModelParallelizer``): FSDP2 on 4 ranks and TP=2.
+"""Every causal-LM architecture of transformers loaded by ``NeMoAutoModelForCausalLM.from_pretrained`` (so under the
+parallelizer its class carries: a registered sidecar's, else the default ``ModelParallelizer``): in one process
+without a mesh, FSDP2 on 4 ranks and TP=2.
 
 Each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that plain transformers can run small on CPU
-(``tests/causal_lm_zoo.py``) is parallelized and compared with the plain model in fp32: logits, loss and every
-gradient within 1e-4. Under TP a model class without a tensor-parallel plan may instead be refused with the
-``ValueError`` saying so. One module fixture runs each layout's whole sweep in a few pool calls (many model types per
+(``tests/causal_lm_zoo.py``) is saved with ``save_pretrained`` and loaded both ways. Every parameter and buffer must
+be exactly what plain transformers' ``from_pretrained`` gives (NaN-aware; a buffer a meta-device build left
+uninitialised shows here), and logits, loss and every gradient must match the plain model in fp32 within 1e-4. Under
+TP a model class without a tensor-parallel plan may instead be refused with the ``ValueError`` saying so. One module fixture runs each layout's whole sweep in a few pool calls (many model types per
 call); the per-model tests then read their result, so every architecture passes or fails on its own.
 
 Run: ``pytest tests/test_zoo_sweep.py -m slow -s`` (``-s`` prints the skip list and the sweep times).
@@ -18,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.cases.zoo import zoo_parity
+from tests.cases.zoo import one_process_exactness, zoo_parity
 from tests.causal_lm_zoo import ZOO_MODEL_TYPES, feasibility, train_mode
 from tests.harness import RankFailure, RankPool
 
@@ -48,6 +50,7 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     first["worst_grad"] = worst["worst_grad"]
     first["nan"] = any(result["nan"] for result in per_rank)
     first["grad_presence"] = sorted({name for result in per_rank for name in result["grad_presence"]})
+    first["tensor_differences"] = sorted({name for result in per_rank for name in result["tensor_differences"]})
     first["divergent_replicated_grads"] = sorted(
         {name for result in per_rank for name in result["divergent_replicated_grads"]}
     )
@@ -108,13 +111,16 @@ def _describe(result: dict[str, Any]) -> str:
         f"max abs differences: logits {result['logits']:.2e}, loss {result['loss']:.2e}, grad {result['grad']:.2e} "
         f"(worst: {result['worst_grad']}); NaN: {result['nan']}; gradient presence differs: "
         f"{result['grad_presence']}; replicated gradients that differ between TP ranks: "
-        f"{result['divergent_replicated_grads']}"
+        f"{result['divergent_replicated_grads']}; tensors that differ from plain transformers' after loading: "
+        f"{result['tensor_differences']}"
     )
 
 
 def assert_parity(result: dict[str, Any]) -> None:
-    """Logits, loss and every gradient match the plain model within ``TOLERANCE``."""
+    """Every tensor is the plain model's after loading; logits, loss and every gradient match it within
+    ``TOLERANCE``."""
     assert result["status"] == "ok", _describe(result)
+    assert not result["tensor_differences"], _describe(result)
     assert not result["nan"], _describe(result)
     assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, _describe(result)
     assert not result["grad_presence"], _describe(result)
@@ -134,9 +140,24 @@ def test_fsdp2_matches_plain_transformers(zoo_sweep, model_type):
 def test_tp2_matches_plain_transformers_or_refuses_without_plan(zoo_sweep, model_type):
     result = zoo_sweep("tp2", model_type)
     if result["status"] != "ok" and result["error_type"] == "ValueError" and NO_TP_PLAN in result["error"]:
-        assert result["step"] == "parallelize", _describe(result)
+        assert result["step"] == "load", _describe(result)
         return
     assert_parity(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ZOO_MODEL_TYPES)
+def test_one_process_load_equals_plain_transformers(model_type):
+    """Without a mesh: every parameter and buffer exactly plain transformers' after ``from_pretrained``, and the same
+    loss (Falcon-H1's ``mup_vector``, a buffer only its model-level ``_init_weights`` computes, was uninitialised
+    memory here, and the loss NaN)."""
+    if reason := feasibility(model_type):
+        pytest.skip(reason)
+    result = one_process_exactness(model_type)
+    assert "error" not in result, f"{result.get('error')}\n  at {result.get('where')}"
+    assert not result["tensor_differences"], result["tensor_differences"]
+    plain, ours = result["losses"]
+    assert ours == plain, result["losses"]
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ __all__ = [
     "fsdp_param_groups",
     "fsdp_state",
     "is_to_local_view",
+    "mutated_tensors",
     "replicate",
     "set_last_lr",
     "split_placement",
@@ -44,10 +45,10 @@ def _torch(*paths: str, purpose: str) -> Any:
     return private_symbol("torch", *paths, purpose=purpose)
 
 
-# Subclassed by activation checkpointing to record and replay MoE routing decisions (top-k saved, not recomputed).
-# Known: 2.9.0 - 2.14.1.
+# Subclassed by activation checkpointing to record and replay MoE routing decisions (top-k saved, not recomputed), and
+# by the loader's init to see which tensors a model's `_init_weights` wrote. Known: 2.9.0 - 2.14.1.
 TorchDispatchMode = _torch(
-    "torch.utils._python_dispatch.TorchDispatchMode", purpose="recording MoE routing under activation checkpointing"
+    "torch.utils._python_dispatch.TorchDispatchMode", purpose="recording MoE routing and the writes of an init"
 )
 # Map / flatten the tensors in nested module inputs and outputs (tuples, dicts, ModelOutput): TP output hooks, routing
 # records, partial gradients. Known: 2.9.0 - 2.14.1.

@@ -17,7 +17,7 @@ from automodel.distributed.runtime import is_rank_zero
 
 from .agreement import agree_or_raise
 from .checkpoint_files import CheckpointError, CheckpointFiles, open_checkpoint
-from .initialization import initialize_missing, non_persistent_buffer_names
+from .initialization import UninitializedTensorError, initialize_missing
 from .key_mapping import KeyPlan, ignored, plan_keys
 from .quantized import DequantizedKeys, QuantizationScheme, dequantized_keys
 from .sharded_loader import LoadReport, load_into, peak_rss_bytes, state_tensors
@@ -52,7 +52,9 @@ def materialize(model: nn.Module, device: torch.device | str) -> set[str]:
             prefix = f"{module_name}." if module_name else ""
             allocated |= {f"{prefix}{name}" for name, t in own.items() if t is not None and name not in kept}
     retie_parameters(model, tied)
-    return allocated
+    # Under the names the tied model has (allocating unties a group for a moment; its aliases are no tensors of their
+    # own).
+    return allocated & ({name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()})
 
 
 def _empty_on(device: torch.device | str):
@@ -118,11 +120,13 @@ def load_checkpoint(
     *,
     progress: bool = True,
     seed: int = 0,
-    recompute: set[str] | None = None,
+    allocated: set[str] | None = None,
 ) -> LoadReport:
     """Fill ``model`` (parallelized and materialized) from a checked ``plan``: each rank reads only the slices of
-    its own shards; missing tensors get the model's own init, and so do the non-persistent buffers in ``recompute``
-    (default: all of them, as after a meta-device build)."""
+    its own shards. Every tensor of ``allocated`` (default: all of them, as after a meta-device build) that the
+    checkpoint does not fill gets the model's own init: missing keys (those the model says to ignore included),
+    non-persistent buffers, persistent buffers a checkpoint leaves out. One that no init writes either is an
+    ``UninitializedTensorError`` on every rank: never uninitialised memory in a model."""
     start = time.perf_counter()
     report = LoadReport()
     error = None
@@ -134,8 +138,14 @@ def load_checkpoint(
         plan.files.close()
     agree_or_raise(error, f"Reading the weights from {plan.directory}")
     report.initialized = sorted(plan.keys.missing)
-    buffers = non_persistent_buffer_names(model) if recompute is None else recompute
-    initialize_missing(model, set(plan.keys.missing) | buffers, seed=seed)
+    if allocated is None:
+        allocated = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    error = None
+    try:
+        initialize_missing(model, allocated - set(plan.keys.sources), seed=seed)
+    except UninitializedTensorError as exc:
+        error = exc
+    agree_or_raise(error, f"Initialising what {plan.directory} does not hold")
     report.bytes_read = plan.files.bytes_read
     if plan.quantization is not None:
         report.dequantized = f"{plan.dequantized} tensors from {plan.quantization.describe()}"

@@ -100,15 +100,16 @@ def load_parallelized(
         model = parallelizer_for(model).parallelize(model, mesh_context)
     allocated = materialize(model, device_of(mesh_context))
     inner = transformers_model(model)
-    # Non-persistent buffers the build computed for real (a diffusers model's) are kept; those it left on meta are
+    if inner is not model:  # Megatron-FSDP's wrapper names the model's tensors under `module.`
+        allocated = {name.removeprefix("module.") for name in allocated}
+    # Tensors the build computed for real (a diffusers model's buffers) are kept; those it left on meta are read or
     # computed again, as transformers does after a meta-device build.
-    recompute = non_persistent_buffer_names(inner) & allocated
     if plan is not None:
-        report = load_checkpoint(inner, plan, progress=progress, recompute=recompute)
+        report = load_checkpoint(inner, plan, progress=progress, allocated=allocated)
     elif weights is not None:
         report = _fill_from_weights(inner, weights)
     else:
-        report = _initialize_all(inner, init_seed, recompute)
+        report = _initialize_all(inner, init_seed, non_persistent_buffer_names(inner) & allocated)
     install_loaded_weights(model)
     return Loaded(model, report)
 

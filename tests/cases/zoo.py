@@ -1,8 +1,10 @@
 """Rank-side sweep over the causal-LM zoo (run inside ``tests.harness.RankPool`` workers).
 
-``zoo_parity(model_types, layout)`` parallelizes the tiny model of each model type with the parallelizer the auto
-classes would use (a registered sidecar's, else the default ``ModelParallelizer``) for ``MeshContext.build(**layout)``
-and compares logits, loss and every gradient with the plain model on the same rank (``tests.parity``). Each model type gets its own result, so one failure does not end the batch.
+``zoo_parity(model_types, layout)`` saves the tiny model of each model type, loads it with
+``NeMoAutoModelForCausalLM.from_pretrained`` for ``MeshContext.build(**layout)`` (so with the parallelizer the auto
+classes use: a registered sidecar's, else the default ``ModelParallelizer``) and with plain transformers'
+``from_pretrained``, checks that every parameter and buffer is exactly the plain model's, and compares logits, loss and
+every gradient (``tests.parity``). Each model type gets its own result, so one failure does not end the batch.
 
 Keeping the ranks in step: every rank runs the same steps on the same model, so nearly every failure happens on all
 ranks at the same point, before the same collective. After each step (parallelize, forward + backward, comparison)
@@ -15,10 +17,14 @@ reruns that batch one model type per call to pin the culprit.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import shutil
+import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,12 +32,12 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
+from automodel import NeMoAutoModelForCausalLM
 from automodel.distributed import MeshContext, ModelParallelizer
-from model_sidecars import sidecar_class
 from tests.causal_lm_zoo import build_tiny_model, zoo_batch
-from tests.parity import compare_with_reference
+from tests.parity import compare_with_reference, tensor_differences
 
-_STEPS = ("parallelize", "compare", "replicas")
+_STEPS = ("load", "exactness", "compare", "replicas")
 
 
 def _describe(error: BaseException) -> dict[str, str]:
@@ -85,46 +91,105 @@ def _divergent_replicated_grads(model: torch.nn.Module, context: MeshContext) ->
     return names
 
 
-def _parallelizer(model: torch.nn.Module) -> ModelParallelizer:
-    """The parallelizer the auto classes would use: the registered sidecar's for the model's class, else the default."""
-    sidecar = sidecar_class(type(model).__name__)
-    return getattr(sidecar, "parallelizer", None) or ModelParallelizer()
-
-
 def model_type_parity(
     model_type: str, context: MeshContext, train: bool = True, parallelizer: ModelParallelizer | None = None
 ) -> dict[str, Any]:
-    """One model type's result (see :func:`zoo_parity`), parallelized by ``parallelizer`` if given, else by the one
-    the auto classes would use."""
+    """One model type's result (see :func:`zoo_parity`).
+
+    Without ``parallelizer``, through the product's own entry point: the tiny model is saved with
+    ``save_pretrained``, plain transformers' ``from_pretrained`` loads the reference, and
+    ``NeMoAutoModelForCausalLM.from_pretrained(mesh_context=context)`` the parallel model (with the parallelizer its
+    class carries); every parameter and buffer must then be exactly the reference's. With ``parallelizer``, a copy of
+    the plain model is parallelized by it directly (no load, so no exactness step).
+    """
     start = time.perf_counter()
     reference = model = None
     outcome: dict[str, Any] | None = None
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"tensor_differences": []}
     timing: dict[str, float] = {}
-    for step in _STEPS:
-        local: dict[str, Any] | None = None
-        step_start = time.perf_counter()
-        try:
-            if step == "parallelize":
-                reference = build_tiny_model(model_type, train=train)
-                chosen = parallelizer or _parallelizer(reference)
-                model = chosen.parallelize(copy.deepcopy(reference), context)
-            elif step == "compare":
-                result = compare_with_reference(reference, model, context, zoo_batch())
-            else:
-                result["divergent_replicated_grads"] = _divergent_replicated_grads(model, context)
-        except Exception as error:
-            local = {"step": step, **_describe(error)}
-        timing[step] = time.perf_counter() - step_start
-        outcome = _in_step(local)
-        timing[f"{step}_sync"] = time.perf_counter() - step_start - timing[step]
-        if outcome is not None:
-            break
+    with _shared_directory() as checkpoint:
+        for step in _STEPS:
+            local: dict[str, Any] | None = None
+            step_start = time.perf_counter()
+            try:
+                if step == "load":
+                    reference, model = _load_pair(model_type, context, train, parallelizer, checkpoint)
+                elif step == "exactness":
+                    if parallelizer is None:
+                        result["tensor_differences"] = tensor_differences(reference, model)
+                elif step == "compare":
+                    result.update(compare_with_reference(reference, model, context, zoo_batch()))
+                else:
+                    result["divergent_replicated_grads"] = _divergent_replicated_grads(model, context)
+            except Exception as error:
+                local = {"step": step, **_describe(error)}
+            timing[step] = time.perf_counter() - step_start
+            outcome = _in_step(local)
+            timing[f"{step}_sync"] = time.perf_counter() - step_start - timing[step]
+            if outcome is not None:
+                break
     del reference, model
     seconds = time.perf_counter() - start
     if outcome is not None:
         return {"status": "error", **outcome, "seconds": seconds, "timing": timing}
     return {"status": "ok", **result, "seconds": seconds, "timing": timing}
+
+
+def _load_pair(
+    model_type: str, context: MeshContext | None, train: bool, parallelizer: ModelParallelizer | None, checkpoint: str
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The plain reference model and the parallel one (see :func:`model_type_parity`)."""
+    plain = build_tiny_model(model_type, train=train)
+    if parallelizer is not None:
+        return plain, parallelizer.parallelize(copy.deepcopy(plain), context)
+    plain.save_pretrained(checkpoint)  # under a process group transformers writes on rank 0 only
+    if dist.is_initialized():
+        dist.barrier()
+    reference = type(plain).from_pretrained(checkpoint, dtype=torch.float32).train(train)
+    # Plain transformers' from_pretrained (without TP) makes every floating parameter trainable, also those the model
+    # declares frozen (Marian's sinusoidal positions); ours keeps the declared flags, as transformers' TP loading does.
+    declared = {name: param.requires_grad for name, param in plain.named_parameters()}
+    for name, param in reference.named_parameters():
+        param.requires_grad_(declared[name])
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context, dtype=torch.float32)
+    frozen = [name for name, param in model.named_parameters() if param.requires_grad != declared[name]]
+    if frozen:
+        raise AssertionError(f"requires_grad differs from the model's declared flags: {frozen}")
+    return reference, model.train(train)
+
+
+@contextlib.contextmanager
+def _shared_directory() -> Iterator[str]:
+    """A temporary directory every rank of the default group sees (rank 0 makes and removes it; one host)."""
+    if not dist.is_initialized():
+        with tempfile.TemporaryDirectory() as directory:
+            yield directory
+        return
+    made = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+    shared = [made]
+    dist.broadcast_object_list(shared, src=0)
+    try:
+        yield shared[0]
+    finally:
+        dist.barrier()
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def one_process_exactness(model_type: str) -> dict[str, Any]:
+    """Without a mesh, in this process: every tensor of ``NeMoAutoModelForCausalLM.from_pretrained`` against plain
+    transformers' ``from_pretrained`` of the same checkpoint (NaN-aware, exact), and the two losses on the zoo batch.
+    ``{"error": ...}`` when either load fails."""
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as checkpoint:
+        try:
+            reference, model = _load_pair(model_type, None, False, None, checkpoint)
+        except Exception as error:
+            return _describe(error)
+    batch = zoo_batch()
+    with torch.no_grad():
+        losses = [float(m(input_ids=batch, labels=batch).loss) for m in (reference, model)]
+    return {"tensor_differences": tensor_differences(reference, model), "losses": losses}
 
 
 def zoo_parity(
