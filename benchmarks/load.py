@@ -2,12 +2,14 @@
 
     python benchmarks/load.py --nproc 4 --size-gb 1.0 --repeats 3
     python benchmarks/load.py --nproc 4 --sweep 0.5,1,2 --repeats 3     # time against checkpoint size
+    python benchmarks/load.py --nproc 4 --shape llama3-3b --tp 2 --contenders floor,automodel   # bf16, FSDP2 x TP=2
 
-Generates (once per size) a random fp32 Llama checkpoint of about ``--size-gb`` GB in 500 MB safetensors shards,
+Generates (once per size) a random fp32 Llama checkpoint of about ``--size-gb`` GB in 500 MB safetensors shards (or,
+with ``--shape llama3-3b``, a Llama-3.2-3B-shaped bf16 one, 6.4 GB; ``--tp`` loads it under FSDP2 x TP),
 warms the page cache, then for each contender starts N fresh gloo ranks and measures, on every rank:
 
-- **time**: the load call plus one read of every local shard (so a lazy, memory-mapped load pays its I/O inside the
-  timing); imports, process-group and mesh setup are outside it;
+- **time**: the load call plus one read of every page of every local shard (so a lazy, memory-mapped load pays its
+  I/O inside the timing); imports, process-group and mesh setup are outside it;
 - **CPU time**: the process's user + system CPU seconds over the same span (page faults included). On a machine
   where ranks share cores with each other and with other work, wall time also measures the neighbours; CPU time
   is the work the rank itself did, and its ratios are the stable ones;
@@ -133,6 +135,36 @@ def _load_mmap_views(directory: Path):
     return shards
 
 
+def make_llama3_3b(directory: Path) -> Path:
+    """A random Llama-3.2-3B-shaped bf16 checkpoint (6.4 GB, tied embeddings) in 2 GB shards (skipped if present)."""
+    if (directory / "config.json").is_file() and _shard_files(directory):
+        return directory
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the tied head a tensor of its own
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.02)
+    model.save_pretrained(directory, max_shard_size="2GB")
+    return directory
+
+
 def _load_automodel(directory: Path):
     from automodel.auto_model import NeMoAutoModelForCausalLM
 
@@ -140,13 +172,12 @@ def _load_automodel(directory: Path):
 
 
 def _load_transformers(directory: Path):
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     world = int(os.environ["WORLD_SIZE"])
     return AutoModelForCausalLM.from_pretrained(
-        directory, distributed_config=DistributedConfig(fsdp_size=world), dtype=torch.float32
+        directory, distributed_config=DistributedConfig(fsdp_size=world), dtype="auto"
     )
 
 
@@ -166,7 +197,7 @@ def _local_tensors(loaded):
     return [p.to_local() if isinstance(p, DTensor) else p for p in [*loaded.parameters(), *loaded.buffers()]]
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory: str, results) -> None:
+def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory: str, tp_size: int, results) -> None:
     init_rank(rank, world, rendezvous)
     import torch
     import torch.distributed as dist
@@ -179,7 +210,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
     from automodel import MeshContext
     from automodel.auto_model import NeMoAutoModelForCausalLM  # noqa: F401
 
-    _load_automodel.context = MeshContext.build("fsdp2") if contender == "automodel" else None
+    _load_automodel.context = MeshContext.build("fsdp2", tp_size=tp_size) if contender == "automodel" else None
     dist.barrier()
     before = rss_bytes()
     reset_peak_rss()
@@ -187,7 +218,9 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
     start, cpu_start = time.perf_counter(), time.process_time()
     loaded = LOADERS[contender](Path(directory))
     with torch.no_grad():
-        checksum = sum(float(tensor.float().sum()) for tensor in _local_tensors(loaded))
+        # Every 1,024th element: one per page or more, so a lazy (memory-mapped) load pays for all its pages, without
+        # a full-size float copy of the largest tensor in the peak memory (a bf16 tensor's sum upcasts it).
+        checksum = sum(float(t.reshape(-1)[::1024].sum(dtype=torch.float32)) for t in _local_tensors(loaded))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     peak = peak_rss_bytes()
     disk = (resource.getrusage(resource.RUSAGE_SELF).ru_inblock - blocks) * 512
@@ -197,14 +230,16 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
     dist.destroy_process_group()
 
 
-def measure(directory: Path, contenders: list[str], world: int, repeats: int) -> dict[str, dict[str, float]]:
+def measure(
+    directory: Path, contenders: list[str], world: int, repeats: int, tp_size: int = 1
+) -> dict[str, dict[str, float]]:
     """Each contender's worst rank, median over ``repeats`` runs (contenders interleaved run by run, so that a burst
     of load on the machine hits all of them alike)."""
     runs: dict[str, list[list[tuple]]] = {contender: [] for contender in contenders}
     for _ in range(repeats):
         for contender in contenders:
             _warm_page_cache(directory)
-            runs[contender].append(run_ranks(_rank_main, world, contender, str(directory)))
+            runs[contender].append(run_ranks(_rank_main, world, contender, str(directory), tp_size))
     return {
         contender: {
             "seconds": statistics.median(max(row[0] for row in run) for run in rows),
@@ -256,6 +291,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")), help="checkpoints' parent")
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender; the median is reported")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--shape", choices=["llama", "llama3-3b"], default="llama", help="llama: fp32, --size-gb")
+    parser.add_argument("--tp", type=int, default=1, help="automodel's tp_size (FSDP2 x TP)")
     args = parser.parse_args()
     contenders = args.contenders.split(",")
     unknown = set(contenders) - set(CONTENDERS)
@@ -264,11 +301,20 @@ def main() -> None:
     sizes = [float(size) for size in args.sweep.split(",")] if args.sweep else [args.size_gb]
 
     by_size: dict[float, dict[str, dict[str, float]]] = {}
+    if args.shape == "llama3-3b":
+        sizes = [0.0]
     for size_gb in sizes:
-        directory = make_checkpoint(args.dir / f"automodel-load-bench-{size_gb:g}gb", size_gb)
+        if args.shape == "llama3-3b":
+            directory = make_llama3_3b(args.dir / "automodel-load-bench-llama3-3b")
+        else:
+            directory = make_checkpoint(args.dir / f"automodel-load-bench-{size_gb:g}gb", size_gb)
         size = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
-        print(f"\ncheckpoint: {directory} ({size / 1e9:.2f} GB), {args.nproc} CPU ranks, page cache warm", flush=True)
-        by_size[size / 1e9] = measure(directory, contenders, args.nproc, args.repeats)
+        layout = f"FSDP2 x TP={args.tp}" if args.tp > 1 else "FSDP2"
+        print(
+            f"\ncheckpoint: {directory} ({size / 1e9:.2f} GB), {args.nproc} CPU ranks ({layout}), page cache warm",
+            flush=True,
+        )
+        by_size[size / 1e9] = measure(directory, contenders, args.nproc, args.repeats, args.tp)
         print_table(by_size[size / 1e9])
     if len(by_size) < 2:
         return

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cases.loading import bytes_read_per_rank, from_config_matches_seed, loaded_parity, loaded_weights
-from tests.tiny_models import ARCHITECTURES, save_tiny_checkpoint
+from tests.cases.loading import (
+    bytes_read_per_rank,
+    experts_finer_than_one_per_rank,
+    from_config_matches_seed,
+    loaded_parity,
+    loaded_weights,
+)
+from tests.cases.sidecar_nemotron_h import tiny_config as nemotron_h_config
+from tests.causal_lm_zoo import tiny_config as zoo_tiny_config
+from tests.tiny_models import ARCHITECTURES, build_model, save_tiny_checkpoint
 
 TOLERANCE = 1e-4
 
@@ -65,6 +73,63 @@ def test_loaded_model_matches_plain_transformers(request, checkpoints, arch, wor
             assert result["tied"], "tied embeddings must stay one parameter"
         if layout["strategy"] != "ddp":
             assert result["sharded"] > 0
+
+
+#: Two routed experts, top-1: under FSDP2 on 4 ranks, EP=2 (one local expert over ep_shard=2) and EP=2 x TP=2, fewer
+#: local experts than the ranks that shard them.
+TWO_EXPERTS = {
+    "mixtral": {"num_local_experts": 2},
+    "qwen3_moe": {"num_experts": 2},
+    "olmoe": {"num_experts": 2},
+    "gpt_oss": {"num_local_experts": 2},
+    "qwen2_moe": {"num_experts": 2},  # with a shared expert
+    "deepseek_v3": {"n_routed_experts": 2},  # multi-head latent attention, a dense first layer, a shared expert
+    "nemotron_h": {"n_routed_experts": 2},  # its sidecar
+}
+
+
+def _save_two_experts(arch: str, directory) -> str:
+    """A tiny checkpoint of ``arch`` with its ``TWO_EXPERTS`` overrides and one expert per token."""
+    overrides = {**TWO_EXPERTS[arch], "num_experts_per_tok": 1}
+    if arch in ARCHITECTURES:
+        return str(save_tiny_checkpoint(arch, directory, **overrides))
+    if arch == "nemotron_h":
+        config = nemotron_h_config(**overrides)
+    else:
+        config = zoo_tiny_config(arch)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+    build_model(config).save_pretrained(directory, max_shard_size="40KB")
+    return str(directory)
+
+
+FINER_LAYOUTS = {
+    "fsdp2_dp4": {"strategy": "fsdp2"},
+    "ep2": {"strategy": "fsdp2", "ep_size": 2},
+    "ep2_x_tp2": {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2},
+}
+
+
+FINER_QUICK = {("mixtral", "fsdp2_dp4"), ("qwen3_moe", "ep2"), ("deepseek_v3", "ep2_x_tp2")}
+
+
+def _finer_matrix():
+    for arch in TWO_EXPERTS:
+        for name in FINER_LAYOUTS:
+            marks = [pytest.mark.distributed] + ([] if (arch, name) in FINER_QUICK else [pytest.mark.slow])
+            yield pytest.param(arch, name, id=f"{arch}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize(("arch", "layout"), _finer_matrix())
+def test_experts_split_finer_than_one_per_rank_match_plain_transformers(ranks4, tmp_path, arch, layout):
+    """FSDP2 shards the experts' weights past their expert dim (dim 1) when the rank group is larger than the local
+    experts, so each rank keeps a slice of every expert instead of a whole, padded one; the load reads those slices
+    and the model matches plain transformers."""
+    checkpoint = _save_two_experts(arch, tmp_path)
+    for result in ranks4.run(experts_finer_than_one_per_rank, checkpoint, FINER_LAYOUTS[layout]):
+        assert result["expert_shard_dims"] and 0 not in result["expert_shard_dims"], result
+        assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, result
+        assert not result["grad_presence"], result
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama_tied", "gemma3", "mixtral"])

@@ -22,6 +22,7 @@ from .versions import MissingSymbolError, private_symbol
 
 __all__ = [
     "SDPA_KERNEL_OPS",
+    "FakeStore",
     "StridedShard",
     "TorchDispatchMode",
     "all_gather",
@@ -74,6 +75,12 @@ all_gather_autograd = _torch(
 # Known: 2.9.0 - 2.14.1.
 replicate = _torch("torch.distributed._composable.replicate.replicate", purpose="the DDP strategy")
 
+# The store of torch's fake process group (backend "fake": collectives return at once, no peer exists): one process
+# acts as any rank of any world size, to plan and measure a layout at scale. Known: 2.9.0 - 2.14.1.
+FakeStore = _torch(
+    "torch.testing._internal.distributed.fake_pg.FakeStore", purpose="simulating a rank of any world size"
+)
+
 # The interleaved placement FSDP2 gives a dimension that TP already shards; the loader computes each rank's slice of
 # it. Known: 2.9.0 - 2.14.1 (``is_shard()`` is False for it in 2.13, so callers test the type).
 StridedShard = _torch(
@@ -123,6 +130,21 @@ def is_to_local_view(tensor: torch.Tensor) -> bool:
     return tensor._is_view() and type(tensor.grad_fn).__name__ == _TO_LOCAL_NODE
 
 
+def mutated_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments an ATen ``op`` writes (in-place ``self``, ``out=``), from its schema's alias annotations
+    (``OpOverload._schema``): how a dispatch mode tells which tensors an init wrote. Known: 2.9.0 - 2.14.1."""
+    written = []
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+        elif isinstance(value, (list, tuple)):
+            written.extend(item for item in value if isinstance(item, torch.Tensor))
+    return written
+
+
 def fsdp_param_groups(unit: nn.Module) -> list[Any]:
     """The FSDP2 parameter groups of a ``fully_shard`` unit (``FSDPModule._get_fsdp_state()._fsdp_param_groups``),
     whose ``is_unsharded`` tells whether the unit's parameters are gathered. Known: 2.12.0 - 2.14.1 (2.11 and older
@@ -151,8 +173,9 @@ def apply_to_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tenso
 
 def split_placement(placement: Placement, tensor: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
     """The pieces a ``Shard`` or ``_StridedShard`` placement on dim 0 cuts ``tensor`` into over ``num_chunks`` ranks,
-    uneven ones unpadded, by DTensor's own split rule (``Shard._split_tensor``): the loader applies it to index
-    vectors to find each rank's slice. Known: 2.12.1 - 2.14.1 (the releases checked)."""
+    uneven ones unpadded, by DTensor's own split rule (``Shard._split_tensor``): the oracle the loader's closed-form
+    per-rank chunks (``automodel.loading.placements.local_runs``) are tested against. Known: 2.12.1 - 2.14.1 (the
+    releases checked)."""
     pieces, _ = placement._split_tensor(tensor, num_chunks, with_padding=False)
     return pieces
 

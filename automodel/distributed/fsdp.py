@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from automodel._compat.torch import fsdp_param_groups
 
@@ -19,6 +20,7 @@ from .model_structure import decoder_layers, input_embeddings, output_embeddings
 __all__ = [
     "default_fsdp_units",
     "fsdp_mesh",
+    "fsdp_shard_dim",
     "fully_shard_by_dtype",
     "fully_shard_default",
     "shard_default_units",
@@ -29,8 +31,43 @@ ShardFn = Callable[..., nn.Module]
 
 
 def fully_shard_default(module: nn.Module, **kwargs: Any) -> nn.Module:
-    """``torch.distributed.fsdp.fully_shard`` with ``None`` keyword arguments left at torch's defaults."""
-    return fully_shard(module, **{key: value for key, value in kwargs.items() if value is not None})
+    """``torch.distributed.fsdp.fully_shard`` with ``None`` keyword arguments left at torch's defaults, and each
+    parameter sharded on the dim :func:`fsdp_shard_dim` chooses (unless the caller passes a ``shard_placement_fn``)."""
+    options = {key: value for key, value in kwargs.items() if value is not None}
+    if "shard_placement_fn" not in options and "mesh" in options:
+        options["shard_placement_fn"] = _placement_over(options["mesh"])
+    return fully_shard(module, **options)
+
+
+def fsdp_shard_dim(shape: tuple[int, ...], group_size: int) -> int:
+    """The dim FSDP2 shards a (TP- or EP-local) tensor of ``shape`` on over ``group_size`` ranks.
+
+    Dim 0, FSDP2's default, which pads it to a multiple of the group: unless that padding would add more than 1/16 of
+    the tensor and a later dim divides evenly (FSDP2 shards only dim 0 unevenly). Then the first such dim: a rank's
+    part is whole rows of the dims after it, contiguous in the checkpoint file. This is what keeps experts shrinking
+    past one per rank: a rank group of 16 over 2 local experts of shape (2, 3072, 4096) would otherwise pad dim 0 to
+    16 whole experts, one per rank, 8x the rank's share (torchtitan shards experts on dim 1 for the same reason).
+    """
+    if not shape or group_size <= 1:
+        return 0
+    rows = shape[0]
+    padding = -(-rows // group_size) * group_size - rows
+    if padding * 16 <= rows:
+        return 0
+    return next((dim for dim in range(1, len(shape)) if shape[dim] % group_size == 0), 0)
+
+
+def _placement_over(mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None]:
+    """``fully_shard``'s ``shard_placement_fn`` for ``mesh`` (1-D, or HSDP's (replicate, shard)): ``None`` (dim 0,
+    FSDP2's default) or ``Shard(d)`` by :func:`fsdp_shard_dim`."""
+    group_size = mesh.size(mesh.ndim - 1)
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        dim = fsdp_shard_dim(tuple(local.shape), group_size)
+        return Shard(dim) if dim else None
+
+    return placement
 
 
 def fsdp_mesh(device_mesh: DeviceMesh, dp_replicate_mesh_name: str, dp_shard_cp_mesh_name: str) -> DeviceMesh:

@@ -59,10 +59,14 @@ def _ensure_process_group() -> None:
             "MeshContext.build needs torch.distributed: launch with `torchrun --nproc-per-node N script.py` or call "
             "torch.distributed.init_process_group() first."
         )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend)
+    if not torch.cuda.is_available():
+        dist.init_process_group(backend="gloo")
+        return
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    # A bound device lets `init_device_mesh` create each mesh dim's groups with one `split_group` (ncclCommSplit)
+    # instead of one `new_group` call per subgroup of the whole world: O(1) instead of O(N) calls per rank.
+    dist.init_process_group(backend="nccl", device_id=device)
 
 
 # How long a process that used gloo releases the GIL at exit (see `_let_gloo_workers_finish`).

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .direct_read import SAFETENSORS_DTYPES, SafetensorsHeader, contiguous_byte_range, read_header, read_into
+from .direct_read import SAFETENSORS_DTYPES, SafetensorsHeader, byte_runs, read_header, read_runs
 
 __all__ = [
     "CheckpointError",
@@ -74,7 +74,8 @@ class CheckpointFiles:
         self.directory = directory
         self.key_to_file = key_to_file
         self.kind = kind
-        self.bytes_read = 0
+        self.bytes_read = 0  # the bytes of the requested regions (what this rank's shards need)
+        self.bytes_spanned = 0  # the bytes read from the files: the regions plus the gaps inside coalesced spans
         self._handles: dict[str, object] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._headers: dict[str, SafetensorsHeader] = {}
@@ -115,29 +116,30 @@ class CheckpointFiles:
         except (SafetensorError, RuntimeError, OSError) as error:
             raise CheckpointError(f"Reading {key!r} from {self.key_to_file[key]} failed: {error}") from error
         self.bytes_read += tensor.numel() * tensor.element_size()
+        self.bytes_spanned += tensor.numel() * tensor.element_size()
         return tensor
 
     def read_into(self, key: str, slices: tuple[slice, ...], out: torch.Tensor) -> bool:
-        """Fill ``out`` with ``stored[key][slices]`` by one positioned read, when the region is contiguous in the
-        file and the dtypes match (see ``direct_read``). Returns False, having done nothing, otherwise."""
-        if self.kind != "safetensors" or out.device.type != "cpu":
+        """Fill the contiguous ``out`` with ``stored[key][slices]`` by positioned reads of the byte runs that box is
+        made of, cast while copied where the dtypes differ (see ``direct_read``). Returns False, having done nothing,
+        where it cannot (a ``.bin`` checkpoint, an accelerator tensor, a dtype this torch lacks)."""
+        if self.kind != "safetensors" or out.device.type != "cpu" or not out.is_contiguous():
             return False
         filename = self.key_to_file[key]
         if filename not in self._headers:
             self._headers[filename] = read_header(self.directory / filename)
         entry = self._headers[filename].entries.get(key)
-        if entry is None or entry.dtype != out.dtype:
+        runs = None if entry is None else byte_runs(entry, slices)
+        if runs is None:
             return False
-        region = contiguous_byte_range(entry, slices)
-        if region is None:
-            return False
+        offsets, length = runs
         if filename not in self._descriptors:
             self._descriptors[filename] = os.open(self.directory / filename, os.O_RDONLY)
         try:
-            read_into(self._descriptors[filename], *region, out)
+            self.bytes_spanned += read_runs(self._descriptors[filename], offsets, length, entry.dtype, out)
         except OSError as error:
             raise CheckpointError(f"Reading {key!r} from {self.directory / filename} failed: {error}") from error
-        self.bytes_read += region[1]
+        self.bytes_read += len(offsets) * length
         return True
 
     def close(self) -> None:

@@ -147,6 +147,7 @@ def load_checkpoint(
         error = exc
     agree_or_raise(error, f"Initialising what {plan.directory} does not hold")
     report.bytes_read = plan.files.bytes_read
+    report.bytes_spanned = plan.files.bytes_spanned
     if plan.quantization is not None:
         report.dequantized = f"{plan.dequantized} tensors from {plan.quantization.describe()}"
     report.seconds = time.perf_counter() - start

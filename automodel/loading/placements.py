@@ -6,10 +6,10 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from automodel._compat.torch import StridedShard, split_placement
+from automodel._compat.torch import StridedShard
 from automodel.distributed.megatron_fsdp import is_megatron_fsdp_parameter, megatron_fsdp_local_indices
 
-__all__ = ["IndexRuns", "local_indices", "to_runs"]
+__all__ = ["IndexRuns", "local_indices", "local_runs", "to_runs"]
 
 # For each tensor dim, the sorted-by-local-position list of contiguous global ranges (start, stop) a rank holds.
 IndexRuns = list[list[tuple[int, int]]]
@@ -18,40 +18,78 @@ IndexRuns = list[list[tuple[int, int]]]
 def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
     """For each dim, the global indices of this rank's local elements, in local order.
 
-    A plain tensor holds everything. For a ``DTensor`` the placements are applied to index vectors in mesh-dim order
-    with the placements' own split rules (``Shard``: ``torch.chunk`` semantics, uneven shards included;
-    ``StridedShard``: the interleaved layout FSDP2 produces over a TP-sharded dim; ``Replicate``/``Partial``: all).
+    A plain tensor holds everything. For a ``DTensor`` the placements are applied in mesh-dim order with DTensor's
+    own split rules (``Shard``: ``torch.chunk`` semantics, uneven and empty shards included; ``StridedShard``: the
+    interleaved layout FSDP2 produces over a TP-sharded dim; ``Replicate``/``Partial``: all). Only this rank's chunk
+    of each split is computed, in closed form: the cost does not grow with the mesh size (splitting index vectors
+    into every rank's chunk took 2.5 s per rank for a 70B model at 4,096 ranks).
     """
     if is_megatron_fsdp_parameter(tensor):
         return megatron_fsdp_local_indices(tensor)
-    indices = [torch.arange(size) for size in tensor.shape]
-    if not isinstance(tensor, DTensor):
-        return indices
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise RuntimeError("this rank is not part of the tensor's device mesh")
-    for mesh_dim, placement in enumerate(tensor.placements):
-        # `StridedShard.is_shard()` is False in torch 2.13, so test the types.
-        if not isinstance(placement, (Shard, StridedShard)):
-            continue
-        dim = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
-        indices[dim] = split_placement(_on_dim0(placement), indices[dim], mesh.size(mesh_dim))[coordinate[mesh_dim]]
-    local_shape = tuple(tensor.to_local().shape)
-    if tuple(len(dim_indices) for dim_indices in indices) != local_shape:
-        raise RuntimeError(
-            f"A local shard of shape {local_shape} does not match its placements {tensor.placements} over a "
-            f"{tuple(tensor.shape)} tensor: a layout the loader cannot place (a sharding other than DTensor's split "
-            "rules)."
-        )
+    runs: IndexRuns = [[(0, size)] for size in tensor.shape]
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise RuntimeError("this rank is not part of the tensor's device mesh")
+        for mesh_dim, placement in enumerate(tensor.placements):
+            # `StridedShard.is_shard()` is False in torch 2.13, so test the types.
+            if not isinstance(placement, (Shard, StridedShard)):
+                continue
+            dim = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
+            runs[dim] = local_runs(runs[dim], placement, mesh.size(mesh_dim), coordinate[mesh_dim])
+    indices = [_from_runs(dim_runs) for dim_runs in runs]
+    if isinstance(tensor, DTensor):
+        local_shape = tuple(tensor.to_local().shape)
+        if tuple(len(dim_indices) for dim_indices in indices) != local_shape:
+            raise RuntimeError(
+                f"A local shard of shape {local_shape} does not match its placements {tensor.placements} over a "
+                f"{tuple(tensor.shape)} tensor: a layout the loader cannot place (a sharding other than DTensor's "
+                "split rules)."
+            )
     return indices
 
 
-def _on_dim0(placement: Placement) -> Placement:
-    """The same split rule applied to a 1-D index vector."""
-    if isinstance(placement, StridedShard):
-        return StridedShard(0, split_factor=placement.split_factor)
-    return Shard(0)
+def local_runs(runs: list[tuple[int, int]], placement: Placement, num_chunks: int, index: int) -> list[tuple[int, int]]:
+    """Chunk ``index`` of ``num_chunks`` that ``placement`` (``Shard`` or ``StridedShard``) cuts the index sequence
+    ``runs`` (ascending runs ``(start, stop)``, in local order) into, as runs: DTensor's split rule for one rank."""
+    length = sum(stop - start for start, stop in runs)
+    if not isinstance(placement, StridedShard):
+        return _take(runs, *_chunk_bounds(length, num_chunks, index))
+    # First split into `split_factor` pieces (the shards of the dims sharded before, as if right to left), then each
+    # piece into `num_chunks`; this rank's chunks of every piece, in piece order.
+    chunks: list[tuple[int, int]] = []
+    for piece in range(placement.split_factor):
+        piece_start, piece_stop = _chunk_bounds(length, placement.split_factor, piece)
+        start, stop = _chunk_bounds(piece_stop - piece_start, num_chunks, index)
+        chunks += _take(runs, piece_start + start, piece_start + stop)
+    return chunks
+
+
+def _chunk_bounds(length: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """Positions ``[start, stop)`` of chunk ``index`` when ``torch.chunk`` cuts ``length`` items into ``num_chunks``
+    (chunks of ``ceil(length / num_chunks)``; the last ones short or empty)."""
+    size = -(-length // num_chunks)
+    return min(index * size, length), min((index + 1) * size, length)
+
+
+def _take(runs: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """Positions ``[start, stop)`` of the sequence ``runs`` describes, as runs."""
+    taken, position = [], 0
+    for run_start, run_stop in runs:
+        lo, hi = max(start - position, 0), min(stop - position, run_stop - run_start)
+        if lo < hi:
+            taken.append((run_start + lo, run_start + hi))
+        position += run_stop - run_start
+        if position >= stop:
+            break
+    return taken
+
+
+def _from_runs(runs: list[tuple[int, int]]) -> torch.Tensor:
+    if len(runs) == 1:
+        return torch.arange(*runs[0])
+    return torch.cat([torch.arange(start, stop) for start, stop in runs]) if runs else torch.arange(0)
 
 
 def to_runs(indices: torch.Tensor) -> list[tuple[int, int]]:

@@ -23,7 +23,8 @@ class LoadReport:
 
     loaded: int = 0
     initialized: list[str] = field(default_factory=list)
-    bytes_read: int = 0
+    bytes_read: int = 0  # the bytes this rank's shards needed from the files
+    bytes_spanned: int = 0  # the bytes read from the files (short runs close together are read with their gaps)
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     dequantized: str | None = None  # e.g. "14 tensors from fp8 (128x128 blocks)"
@@ -31,7 +32,9 @@ class LoadReport:
     def summary(self) -> str:
         """One log line: what was read, how long it took, peak host memory."""
         return (
-            f"loaded {self.loaded} tensors ({self.bytes_read / 2**20:.1f} MiB read on this rank) in "
+            f"loaded {self.loaded} tensors ({self.bytes_read / 2**20:.1f} MiB read on this rank"
+            + (f", {self.bytes_spanned / 2**20:.1f} MiB of file spans" if self.bytes_spanned > self.bytes_read else "")
+            + f") in "
             f"{self.seconds:.2f} s, peak host memory {self.peak_rss_bytes / 2**30:.2f} GiB"
             + (f"; dequantized {self.dequantized}" if self.dequantized else "")
             + (f"; initialised {len(self.initialized)} missing" if self.initialized else "")

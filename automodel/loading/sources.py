@@ -39,22 +39,43 @@ class Source(Protocol):
 
 @dataclass
 class StoredTensor:
-    """One tensor of a safetensors file, read by contiguous slices."""
+    """One tensor of a checkpoint file, read by boxes (one run of indices per dim): positioned reads of their byte
+    runs for safetensors, slices of the loaded file for ``.bin``."""
 
     files: CheckpointFiles
     key: str
     shape: tuple[int, ...]
 
     def read(self, indices: list[torch.Tensor]) -> torch.Tensor:
-        return self._read_runs([to_runs(dim_indices) for dim_indices in indices])
+        dtype = self.files.dtype(self.key) if self.files.kind == "safetensors" else None
+        if dtype is None:
+            return self._read_runs([to_runs(dim_indices) for dim_indices in indices])
+        out = torch.empty([len(dim_indices) for dim_indices in indices], dtype=dtype)
+        self.read_into(indices, out)
+        return out
 
     def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
-        runs = [to_runs(dim_indices) for dim_indices in indices]
-        if all(len(dim_runs) <= 1 for dim_runs in runs) and out.is_contiguous():
+        self._read_runs_into([to_runs(dim_indices) for dim_indices in indices], out)
+
+    def _read_runs_into(self, runs: list[list[tuple[int, int]]], out: torch.Tensor) -> None:
+        """One box per combination of runs, each read straight into its part of ``out`` (through a temporary of
+        that part's size where the part is not contiguous in ``out``), so memory never holds more than the shard
+        and one part."""
+        split = next((dim for dim, dim_runs in enumerate(runs) if len(dim_runs) > 1), None)
+        if split is None:
             slices = tuple(slice(*dim_runs[0]) if dim_runs else slice(0, 0) for dim_runs in runs)
-            if self.files.read_into(self.key, slices, out):
-                return
-        out.copy_(self._read_runs(runs))
+            if not out.is_contiguous():
+                part = torch.empty(out.shape, dtype=out.dtype)
+                self._read_runs_into(runs, part)
+                out.copy_(part)
+            elif not self.files.read_into(self.key, slices, out):
+                out.copy_(self.files.read_slice(self.key, slices))
+            return
+        position = 0
+        for run in runs[split]:
+            count = run[1] - run[0]
+            self._read_runs_into([*runs[:split], [run], *runs[split + 1 :]], out.narrow(split, position, count))
+            position += count
 
     def _read_runs(self, runs: list[list[tuple[int, int]]]) -> torch.Tensor:
         split = next((dim for dim, dim_runs in enumerate(runs) if len(dim_runs) > 1), None)

@@ -167,3 +167,20 @@ def loaded_weights(checkpoint: str, layout: dict[str, Any], dtype: Any) -> dict[
         "dtypes": sorted(dtypes),
         "reference": sorted({str(p.dtype) for p in reference.values()}),
     }
+
+
+def experts_finer_than_one_per_rank(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """``loaded_parity`` for a MoE checkpoint with fewer local experts than the ranks that shard them, plus the
+    FSDP2 shard dims of the routed experts' weights (dim 1 or later: each rank holds a slice of every local expert,
+    not a whole expert padded out) and the bytes each rank read against what it holds."""
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint)
+    dims = set()
+    for name, param in model.named_parameters():
+        if ".experts." in name and param.ndim == 3 and isinstance(param, DTensor):
+            mesh_dims = [d for d, axis in enumerate(param.device_mesh.mesh_dim_names) if axis != "ep"]
+            dims |= {param.placements[d].dim for d in mesh_dims if param.placements[d].is_shard()}
+    model.train()
+    reference.train()
+    return {"expert_shard_dims": sorted(dims), **compare_with_reference(reference, model, context, token_batch())}
