@@ -23,6 +23,8 @@ _LAZY = {
     "NeMoAutoModelForSequenceClassification": "automodel.auto_model",
     "NeMoAutoDiffusionPipeline": "automodel.diffusion",
     "clip_grad_norm_": "automodel.distributed.grad_clipping",
+    "plan": "automodel.planning",
+    "Plan": "automodel.planning",
 }
 
 __all__ = [
@@ -37,7 +39,9 @@ __all__ = [
     "NeMoAutoModelForCausalLM",
     "NeMoAutoModelForImageTextToText",
     "NeMoAutoModelForSequenceClassification",
+    "Plan",
     "clip_grad_norm_",
+    "plan",
 ]
 
 if TYPE_CHECKING:
@@ -57,6 +61,7 @@ if TYPE_CHECKING:
         MoEConfig,
     )
     from automodel.distributed.grad_clipping import clip_grad_norm_
+    from automodel.planning import Plan, plan
 
 
 def __getattr__(name: str) -> Any:

@@ -122,7 +122,7 @@ class _NeMoAutoBase:
         quantization: list[QuantizationScheme | None] = [None]
 
         def build() -> nn.Module:
-            config = _load_config(name_or_path, directory, trust_remote_code, config_overrides)
+            config = load_config(name_or_path, directory, trust_remote_code, config_overrides)
             # A quantized checkpoint builds the unquantized model; its weights are dequantized while they are read.
             quantization[0] = pop_quantization_scheme(config)
             model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
@@ -365,10 +365,11 @@ def _resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.
     return resolved
 
 
-def _load_config(
+def load_config(
     name_or_path: str | os.PathLike, directory: Path, trust_remote_code: bool, overrides: dict[str, Any]
 ) -> PretrainedConfig:
-    """The checkpoint's config with ``overrides`` applied; a keyword that is not a config attribute is an error."""
+    """The checkpoint's config in ``directory`` (of ``name_or_path``) with ``overrides`` applied; a keyword that is
+    not a config attribute is an error."""
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json, so {name_or_path} is not a transformers checkpoint.")

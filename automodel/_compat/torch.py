@@ -31,6 +31,7 @@ __all__ = [
     "default_process_group",
     "flatten_mesh",
     "fsdp_param_groups",
+    "fsdp_sizes",
     "fsdp_state",
     "is_to_local_view",
     "mutated_tensors",
@@ -150,6 +151,31 @@ def fsdp_param_groups(unit: nn.Module) -> list[Any]:
     whose ``is_unsharded`` tells whether the unit's parameters are gathered. Known: 2.12.0 - 2.14.1 (2.11 and older
     kept one optional ``_fsdp_param_group``, outside the tested range)."""
     return fsdp_state(unit)._fsdp_param_groups
+
+
+def fsdp_sizes(model: nn.Module) -> tuple[dict[int, int], int]:
+    """What FSDP2 allocates in ``model`` (sharded, possibly on meta): the padded shard bytes of each parameter it
+    manages (by ``id`` of the sharded parameter) and the largest parameter group's all-gather output in bytes, in
+    the group's mixed-precision ``param_dtype`` where one is set (``FSDPParamGroup.fsdp_params`` / ``.mp_policy``,
+    ``FSDPParam.padded_sharded_param_size`` / ``.mesh_info``). Known: 2.12.1 - 2.14.1 (the releases checked)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    padded: dict[int, int] = {}
+    largest = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in fsdp_param_groups(module):
+            param_dtype = getattr(group.mp_policy, "param_dtype", None)
+            gather = 0
+            for fsdp_param in group.fsdp_params:
+                param = fsdp_param.sharded_param
+                elements = fsdp_param.padded_sharded_param_size.numel()
+                padded[id(param)] = elements * param.element_size()
+                size = torch.empty(0, dtype=param_dtype or param.dtype).element_size()
+                gather += elements * fsdp_param.mesh_info.shard_mesh_size * size
+            largest = max(largest, gather)
+    return padded, largest
 
 
 def fsdp_state(unit: nn.Module) -> Any:

@@ -25,7 +25,15 @@ from automodel._compat.torch import default_process_group, flatten_mesh
 from .config import DDPConfig, MegatronFSDPConfig, MoEConfig, StrategyConfig, strategy_from_name
 from .runtime import collective_device
 
-__all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "ActivationCheckpointing", "MeshContext", "check_layout"]
+__all__ = [
+    "DENSE_AXES",
+    "FLATTENED_AXES",
+    "MOE_AXES",
+    "ActivationCheckpointing",
+    "MeshContext",
+    "check_layout",
+    "forget_meshes",
+]
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"), "dp_cp": DENSE_AXES[:3]}
@@ -188,6 +196,12 @@ def _meshes(
             moe_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=MOE_AXES)
         _MESHES[key] = (mesh, _flatten_dense_axes(mesh), moe_mesh)
     return _MESHES[key]
+
+
+def forget_meshes() -> None:
+    """Drop the cached meshes (before destroying the process group they were built on, e.g. a simulated rank of
+    ``automodel.plan``)."""
+    _MESHES.clear()
 
 
 def _flatten_dense_axes(mesh: DeviceMesh) -> dict[str, DeviceMesh]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .direct_read import SAFETENSORS_DTYPES, SafetensorsHeader, byte_runs, read_header, read_runs
+from .direct_read import SAFETENSORS_DTYPES, SafetensorsHeader, byte_runs, read_header, read_runs, spanned_bytes
 
 __all__ = [
     "CheckpointError",
@@ -126,9 +126,7 @@ class CheckpointFiles:
         if self.kind != "safetensors" or out.device.type != "cpu" or not out.is_contiguous():
             return False
         filename = self.key_to_file[key]
-        if filename not in self._headers:
-            self._headers[filename] = read_header(self.directory / filename)
-        entry = self._headers[filename].entries.get(key)
+        entry = self._entry(key)
         runs = None if entry is None else byte_runs(entry, slices)
         if runs is None:
             return False
@@ -141,6 +139,32 @@ class CheckpointFiles:
             raise CheckpointError(f"Reading {key!r} from {self.directory / filename} failed: {error}") from error
         self.bytes_read += len(offsets) * length
         return True
+
+    def count(self, key: str, slices: tuple[slice, ...]) -> None:
+        """Add to ``bytes_read`` / ``bytes_spanned`` what reading ``stored[key][slices]`` would take, reading no data
+        (the headers only): the read plan of :meth:`read_into`."""
+        entry = self._entry(key) if self.kind == "safetensors" else None
+        runs = None if entry is None else byte_runs(entry, slices)
+        if runs is None:
+            shape = self.shape(key)
+            bounds = [(s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(slices)]
+            count = 1
+            for dim, size in enumerate(shape):
+                count *= bounds[dim][1] - bounds[dim][0] if dim < len(bounds) else size
+            dtype = self.dtype(key) or torch.uint8
+            self.bytes_read += count * torch.tensor([], dtype=dtype).element_size()
+            self.bytes_spanned += count * torch.tensor([], dtype=dtype).element_size()
+            return
+        offsets, length = runs
+        self.bytes_read += len(offsets) * length
+        self.bytes_spanned += spanned_bytes(offsets, length)
+
+    def _entry(self, key: str):
+        """``key``'s entry in its file's parsed header (offsets, shape, dtype)."""
+        filename = self.key_to_file[key]
+        if filename not in self._headers:
+            self._headers[filename] = read_header(self.directory / filename)
+        return self._headers[filename].entries.get(key)
 
     def close(self) -> None:
         """Release the open files and memory maps."""

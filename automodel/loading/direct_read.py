@@ -16,7 +16,10 @@ import itertools
 import json
 import os
 import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,6 +32,7 @@ __all__ = [
     "read_header",
     "read_into",
     "read_runs",
+    "spanned_bytes",
 ]
 
 SAFETENSORS_DTYPES = {
@@ -124,14 +128,15 @@ def read_runs(fd: int, offsets: torch.Tensor, length: int, dtype: torch.dtype, o
     """Fill the contiguous CPU tensor ``out`` with the byte runs at ``offsets`` (ascending, each ``length`` bytes of
     ``dtype``, in order), cast while copied when ``out``'s dtype differs. Long runs of the same dtype are read
     straight into ``out``; short runs close together are read as spans through a buffer of at most
-    ``STAGING_BYTES`` and copied out of it. Host memory beyond ``out``: at most two such buffers. Returns the bytes
-    read from the file (the gaps inside spans included)."""
+    ``STAGING_BYTES`` and copied out of it, the next span being read (by a reader thread: ``preadv`` and the copy
+    both release the GIL) while the last one is copied. Host memory beyond ``out``: two such buffers. Returns the
+    bytes read from the file (the gaps inside spans included)."""
     if length == 0 or len(offsets) == 0:
         return 0
     element = torch.tensor([], dtype=dtype).element_size()
     target = out.detach().view(-1)
     position = 0  # elements of `out` filled so far
-    staging: torch.Tensor | None = None
+    staged: list[tuple[int, int, Callable[[torch.Tensor], None]]] = []  # (file offset, bytes, copy out of the buffer)
     read = 0
     for group in _spans(offsets.tolist(), length):
         count = len(group) * length // element
@@ -140,24 +145,80 @@ def read_runs(fd: int, offsets: torch.Tensor, length: int, dtype: torch.dtype, o
         read += group[-1] + length - group[0]
         if len(group) == 1 and out.dtype == dtype:
             read_into(fd, group[0], length, destination)
-            continue
-        if staging is None:
-            staging = torch.empty(STAGING_BYTES, dtype=torch.uint8)
-        if len(group) == 1:  # one long run, cast: in pieces of the buffer
+        elif len(group) == 1:  # one long run, cast: in pieces of the buffer
             piece = max(element, STAGING_BYTES // element * element)
             for start in range(0, length, piece):
                 size = min(piece, length - start)
-                read_into(fd, group[0] + start, size, staging[:size])
-                destination[start // element : (start + size) // element].copy_(staging[:size].view(dtype))
-            continue
-        span = group[-1] + length - group[0]
-        read_into(fd, group[0], span, staging[:span])
-        runs = _runs_of(staging[:span], [offset - group[0] for offset in group], length)
-        if out.dtype == dtype:
-            destination.view(torch.uint8).view(len(group), length).copy_(runs)
+                part = destination[start // element : (start + size) // element]
+                staged.append((group[0] + start, size, partial(_cast_into, part, dtype)))
         else:
-            destination.copy_(runs.contiguous().view(-1).view(dtype))
+            starts = [offset - group[0] for offset in group]
+            staged.append(
+                (group[0], group[-1] + length - group[0], partial(_runs_into, destination, starts, length, dtype))
+            )
+    _read_staged(fd, staged)
     return read
+
+
+def _read_staged(fd: int, staged: list[tuple[int, int, Callable[[torch.Tensor], None]]]) -> None:
+    """Read each (offset, size) into a staging buffer and hand it to its copy, two buffers in flight."""
+    if not staged:
+        return
+    buffers = _staging_buffers()
+
+    def fetch(index: int):
+        offset, size, _ = staged[index]
+        return _reader().submit(read_into, fd, offset, size, buffers[index % 2][:size])
+
+    pending = fetch(0)
+    for index, (_, size, copy_out) in enumerate(staged):
+        pending.result()
+        following = fetch(index + 1) if index + 1 < len(staged) else None
+        copy_out(buffers[index % 2][:size])
+        pending = following
+
+
+def _staging_buffers() -> list[torch.Tensor]:
+    """The two staging buffers, allocated once per process: fresh ones per tensor cost a page fault per 4 KiB of
+    them every time (about 8,000 per read), more than the copies they serve."""
+    global _BUFFERS
+    if _BUFFERS is None or _BUFFERS[0].numel() != STAGING_BYTES:
+        _BUFFERS = [torch.empty(STAGING_BYTES, dtype=torch.uint8) for _ in range(2)]
+    return _BUFFERS
+
+
+_BUFFERS: list[torch.Tensor] | None = None
+
+
+def _reader() -> ThreadPoolExecutor:
+    global _READER
+    if _READER is None:
+        _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="automodel-read")
+    return _READER
+
+
+_READER: ThreadPoolExecutor | None = None
+
+
+def _cast_into(destination: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor) -> None:
+    destination.copy_(buffer.view(dtype))
+
+
+def _runs_into(
+    destination: torch.Tensor, starts: list[int], length: int, dtype: torch.dtype, span: torch.Tensor
+) -> None:
+    runs = _runs_of(span, starts, length)
+    if destination.dtype == dtype:
+        destination.view(torch.uint8).view(len(starts), length).copy_(runs)
+    else:
+        destination.copy_(runs.contiguous().view(-1).view(dtype))
+
+
+def spanned_bytes(offsets: torch.Tensor, length: int) -> int:
+    """The bytes :func:`read_runs` reads from the file for these runs (the gaps inside coalesced spans included)."""
+    if length == 0:
+        return 0
+    return sum(group[-1] + length - group[0] for group in _spans(offsets.tolist(), length))
 
 
 def _spans(offsets: list[int], length: int) -> list[list[int]]:

@@ -20,7 +20,7 @@ try:  # huggingface_hub >= 1.x: offline, a snapshot its cached tree listing show
 except ImportError:  # older releases return such a snapshot as it is
     IncompleteSnapshotError = None
 
-__all__ = ["HubOptions", "resolve_adapter_dir", "resolve_checkpoint_dir"]
+__all__ = ["HubOptions", "resolve_adapter_dir", "resolve_checkpoint_dir", "resolve_config_dir"]
 
 METADATA_PATTERNS = [
     "config.json",
@@ -89,6 +89,32 @@ def resolve_checkpoint_dir(
         error = exc
     agree_or_raise(error, f"Resolving {name_or_path}")
     return directory
+
+
+def resolve_config_dir(name_or_path: str | os.PathLike, options: HubOptions | None = None) -> Path:
+    """A local directory holding the model's config: ``name_or_path`` itself, or the hub snapshot of that id with
+    only its metadata fetched (config, index, tokenizer files; never the weights, though weights already in the
+    cache are there to read headers from). No process group is involved (``automodel.plan`` runs before any)."""
+    options = options or HubOptions()
+    path = Path(name_or_path)
+    if path.is_dir():
+        return _in_subfolder(path, options.subfolder, name_or_path)
+    if path.is_absolute() or str(name_or_path).startswith((".", "~")) or str(name_or_path).count("/") > 1:
+        raise FileNotFoundError(f"{name_or_path} is neither a local directory nor a Hugging Face model id.")
+    offline = options.local_files_only or constants.HF_HUB_OFFLINE
+    patterns = METADATA_PATTERNS + ["*.index.json"] + (REMOTE_CODE_PATTERNS if options.trust_remote_code else [])
+    try:
+        snapshot = snapshot_download(
+            str(name_or_path),
+            revision=options.revision,
+            cache_dir=options.cache_dir,
+            token=options.token,
+            local_files_only=offline,
+            allow_patterns=patterns,
+        )
+    except LocalEntryNotFoundError as error:
+        raise _not_in_cache(str(name_or_path), options.revision, options.cache_dir, offline, error) from error
+    return _in_subfolder(Path(snapshot), options.subfolder, name_or_path)
 
 
 def _resolve(name_or_path: str | os.PathLike, options: HubOptions) -> Path:

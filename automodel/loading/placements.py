@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -9,7 +11,7 @@ from torch.distributed.tensor.placement_types import Placement
 from automodel._compat.torch import StridedShard
 from automodel.distributed.megatron_fsdp import is_megatron_fsdp_parameter, megatron_fsdp_local_indices
 
-__all__ = ["IndexRuns", "local_indices", "local_runs", "to_runs"]
+__all__ = ["IndexRuns", "local_indices", "local_runs", "rank_classes", "to_runs"]
 
 # For each tensor dim, the sorted-by-local-position list of contiguous global ranges (start, stop) a rank holds.
 IndexRuns = list[list[tuple[int, int]]]
@@ -104,3 +106,71 @@ def to_runs(indices: torch.Tensor) -> list[tuple[int, int]]:
     firsts = torch.cat([breaks.new_zeros(1), breaks])
     lasts = torch.cat([breaks - 1, breaks.new_full((1,), indices.numel() - 1)])
     return list(zip(indices[firsts].tolist(), (indices[lasts] + 1).tolist(), strict=True))
+
+
+def rank_classes(model: torch.nn.Module, world_size: int) -> list[list[int]]:
+    """The ranks of a ``world_size``-rank job grouped by the local shapes of ``model``'s parameters (parallelized, as
+    any one rank sees it): ranks in one group hold shards of the same shapes. Groups are ordered by their first
+    rank, each ascending.
+
+    A shard's size along a tensor dim depends only on the rank's coordinates on the mesh dims that split that dim,
+    so each such size is tabulated once over those coordinates (in closed form, :func:`local_runs`) and looked up
+    for every rank: the cost is the mesh sizes times the distinct layouts, not the ranks times the parameters.
+    """
+    columns: list[torch.Tensor] = []
+    seen: set[tuple] = set()
+    for param in model.parameters():
+        if not isinstance(param, DTensor):
+            continue
+        mesh = param.device_mesh
+        key = (id(mesh), tuple(map(str, param.placements)), tuple(param.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        coordinates = _coordinates_of_every_rank(mesh, world_size)
+        for dim, size in enumerate(param.shape):
+            splits = [
+                (mesh_dim, placement)
+                for mesh_dim, placement in enumerate(param.placements)
+                if isinstance(placement, (Shard, StridedShard))
+                and (placement.dim if placement.dim >= 0 else placement.dim + param.ndim) == dim
+            ]
+            if splits:
+                columns.append(_local_sizes(size, splits, mesh, coordinates))
+    if not columns:
+        return [list(range(world_size))]
+    _, inverse = torch.unique(torch.stack(columns, dim=1), dim=0, return_inverse=True)
+    groups: dict[int, list[int]] = {}
+    for rank, group in enumerate(inverse.tolist()):
+        groups.setdefault(group, []).append(rank)
+    return sorted(groups.values(), key=lambda members: members[0])
+
+
+def _coordinates_of_every_rank(mesh, world_size: int) -> torch.Tensor:
+    """A (world_size, mesh.ndim) tensor: each rank's coordinate on every dim of ``mesh`` (-1 off the mesh)."""
+    ranks = mesh.mesh.flatten()
+    positions = torch.full((world_size,), -1, dtype=torch.int64)
+    positions[ranks] = torch.arange(ranks.numel())
+    coordinates = torch.full((world_size, mesh.ndim), -1, dtype=torch.int64)
+    present = positions >= 0
+    remaining = positions[present]
+    for dim in range(mesh.ndim - 1, -1, -1):
+        coordinates[present, dim] = remaining % mesh.size(dim)
+        remaining = remaining // mesh.size(dim)
+    return coordinates
+
+
+def _local_sizes(size: int, splits: list[tuple[int, Placement]], mesh, coordinates: torch.Tensor) -> torch.Tensor:
+    """Every rank's shard length along one tensor dim of ``size``, split by ``splits`` (mesh dim, placement) in
+    mesh-dim order."""
+    mesh_dims = [mesh_dim for mesh_dim, _ in splits]
+    extents = [mesh.size(mesh_dim) for mesh_dim in mesh_dims]
+    table = torch.zeros(extents, dtype=torch.int64)
+    for combination in itertools.product(*(range(extent) for extent in extents)):
+        runs = [(0, size)]
+        for (mesh_dim, placement), index in zip(splits, combination, strict=True):
+            runs = local_runs(runs, placement, mesh.size(mesh_dim), index)
+        table[combination] = sum(stop - start for start, stop in runs)
+    chosen = coordinates[:, mesh_dims]
+    sizes = table[tuple(chosen.clamp(min=0).T)]
+    return torch.where((chosen >= 0).all(dim=1), sizes, -1)

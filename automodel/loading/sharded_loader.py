@@ -14,7 +14,7 @@ from .initialization import local_view
 from .placements import local_indices
 from .sources import Source
 
-__all__ = ["LoadReport", "load_into", "peak_rss_bytes", "state_tensors"]
+__all__ = ["LoadReport", "count_reads", "load_into", "peak_rss_bytes", "state_tensors"]
 
 
 @dataclass
@@ -72,6 +72,28 @@ def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = 
     if any(t.device.type == "cuda" for _, t in targets):
         torch.cuda.synchronize()  # the pinned staging buffers must outlive their copies
     return len(targets)
+
+
+def count_reads(model: nn.Module, sources: dict[str, Source]) -> int:
+    """The bytes :func:`load_into` would read from the checkpoint files for this rank's shards of ``model`` (still
+    on the meta device): the same read plan, walked without reading (``automodel.plan``)."""
+    files = {id(source.files): source.files for source in _stored_parts(sources.values())}
+    before = sum(f.bytes_read for f in files.values())
+    with torch.no_grad():
+        for name, tensor in state_tensors(model):
+            if name in sources:
+                local = local_view(tensor)
+                sources[name].read_into(local_indices(tensor), torch.empty_like(local, device="meta"))
+    return sum(f.bytes_read for f in files.values()) - before
+
+
+def _stored_parts(sources) -> list:
+    parts = []
+    for source in sources:
+        if hasattr(source, "files"):
+            parts.append(source)
+        parts.extend(_stored_parts(getattr(source, "parts", [])))
+    return parts
 
 
 def peak_rss_bytes() -> int:

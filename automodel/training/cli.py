@@ -1,6 +1,8 @@
 """The ``automodel`` command: ``automodel sft|pretrain --config FILE [--nproc-per-node N] [dotted.key=value ...]``.
 
-``automodel init-config sft|pretrain [--output DIR]`` writes a runnable example config and its data set first.
+``automodel init-config sft|pretrain [--output DIR]`` writes a runnable example config and its data set first;
+``automodel plan --model PATH_OR_ID --world-size N [layout.KEY=VALUE ...]`` says what each rank of a job would hold
+(``--dry-run`` does it for a recipe) before anything starts.
 
 The config is read and validated first, against the number of processes too (a bad key or value, or a layout that
 does not fit, exits with status 2 before any process starts); then, unless already under torchrun, the command
@@ -35,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         epilog=describe_keys()
         + "\n\nRelative paths in the YAML file are relative to its folder (docs/recipes.md)."
-        + "\n`automodel init-config sft|pretrain [--output DIR]` writes a runnable example config and its data.",
+        + "\n`automodel init-config sft|pretrain [--output DIR]` writes a runnable example config and its data."
+        + "\n`automodel plan --model PATH --world-size N [layout.KEY=VALUE ...]` plans a layout before a job starts.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("recipe", choices=RECIPES, help="what to run")
@@ -45,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config (defaults filled in) and exit"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what each rank would hold (automodel plan, simulated in this process) and start nothing",
     )
     nodes = parser.add_argument_group("several nodes (passed to torchrun; docs/recipes.md#several-nodes)")
     nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes, each running this command")
@@ -65,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         from .init_config import main as init_config
 
         return init_config(argv[1:])
+    if argv[:1] == ["plan"]:
+        from .plan_command import main as plan_command
+
+        return plan_command(argv[1:])
     args = _parser().parse_intermixed_args(argv)
     under_torchrun = "LOCAL_RANK" in os.environ
     if (args.nproc_per_node < 1 or args.nnodes < 1) and not under_torchrun:
@@ -80,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
+    if args.dry_run and not under_torchrun:
+        from .plan_command import dry_run
+
+        return dry_run(config, world_size)
     if not under_torchrun:
         return _launch(args, config)
     return _train(config)

@@ -30,6 +30,7 @@ __all__ = [
     "TrainSection",
     "check_world_size",
     "describe_keys",
+    "layout_from_overrides",
     "load_config",
     "parse_overrides",
     "validate_vision_language",
@@ -260,6 +261,17 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             raise ConfigError(f"Override {item!r} is not `dotted.key=value` (e.g. train.lr=3e-4).")
         parsed[key.strip()] = yaml.safe_load(value) if value.strip() else None
     return parsed
+
+
+def layout_from_overrides(items: list[str]) -> LayoutSection:
+    """A layout section from ``layout.KEY=VALUE`` items (``automodel plan``), checked as a config's is."""
+    raw: dict[str, Any] = {}
+    for key, value in parse_overrides(items).items():
+        section, _, name = key.partition(".")
+        if section != "layout" or not name or "." in name:
+            raise ConfigError(f"{key}: only layout.KEY=VALUE overrides are taken here (e.g. layout.tp_size=8).")
+        raw[name] = value
+    return _build(LayoutSection, raw, "layout.")
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

@@ -11,6 +11,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from automodel.loading.pipeline import transformers_model
 
 from .batches import DistributedBatchLoader
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import ConfigError, RecipeConfig, validate_vision_language
+from .config import ConfigError, LayoutSection, RecipeConfig, validate_vision_language
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
 from .loss import LossFunction, ModelLoss, make_loss
@@ -67,22 +68,26 @@ class Throughput:
 
 def build_mesh_context(config: RecipeConfig) -> MeshContext:
     """The ``MeshContext`` the layout section describes."""
-    layout = config.layout
+    return MeshContext.build(**mesh_arguments(config.layout))
+
+
+def mesh_arguments(layout: LayoutSection) -> dict[str, Any]:
+    """The ``MeshContext.build`` keywords of a layout section (also what ``automodel plan`` simulates)."""
     strategy: str | FSDP2Config = layout.strategy
     if layout.mixed_precision == "bf16":
         if layout.strategy != "fsdp2":
             raise ValueError("layout.mixed_precision=bf16 is implemented with FSDP2: set layout.strategy=fsdp2.")
         strategy = FSDP2Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MeshContext.build(
-        strategy,
-        dp_replicate_size=layout.dp_replicate_size,
-        tp_size=layout.tp_size,
-        cp_size=layout.cp_size,
-        ep_size=layout.ep_size,
-        sequence_parallel=layout.sequence_parallel,
-        activation_checkpointing=layout.activation_checkpointing,
-        compile=layout.compile,
-    )
+    return {
+        "strategy": strategy,
+        "dp_replicate_size": layout.dp_replicate_size,
+        "tp_size": layout.tp_size,
+        "cp_size": layout.cp_size,
+        "ep_size": layout.ep_size,
+        "sequence_parallel": layout.sequence_parallel,
+        "activation_checkpointing": layout.activation_checkpointing,
+        "compile": layout.compile,
+    }
 
 
 def _build_model(config: RecipeConfig, context: MeshContext, kind: str) -> nn.Module:

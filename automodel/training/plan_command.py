@@ -1,0 +1,113 @@
+"""``automodel plan``: what each rank of a job would hold, before the job starts (``automodel.plan``).
+
+    automodel plan --model PATH_OR_ID --world-size N [--rank R ...] [--dtype bf16|fp32]
+                   [--micro-batch-size B --seq-len S] [--optimizer adamw] [layout.KEY=VALUE ...] [--json]
+
+``--nnodes K --nproc-per-node G`` may stand for ``--world-size``. The layout keys are the recipes' ``layout``
+section. ``automodel sft|pretrain --config FILE --dry-run`` prints the same plan for a recipe. The exit status is 0
+when the layout fits, 1 when the real run would refuse it (the message is the one it would raise), 2 for bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import ConfigError, RecipeConfig, layout_from_overrides
+
+__all__ = ["main", "print_plan"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="automodel plan",
+        description=__doc__.splitlines()[0],
+        epilog="layout keys: " + ", ".join(f"layout.{key}" for key in _layout_keys()),
+    )
+    parser.add_argument("--model", required=True, help="a local checkpoint folder or a hub id (config only)")
+    parser.add_argument("--world-size", type=int, help="the job's number of ranks")
+    parser.add_argument("--nnodes", type=int, help="nodes (with --nproc-per-node, instead of --world-size)")
+    parser.add_argument("--nproc-per-node", type=int, help="ranks per node")
+    parser.add_argument("--rank", type=int, action="append", dest="ranks", help="a rank to simulate (repeatable)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="the load dtype (default bf16)")
+    parser.add_argument("--micro-batch-size", type=int, help="sequences per rank per step (activation estimate)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (activation estimate)")
+    parser.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], default="adamw")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("overrides", nargs="*", metavar="layout.KEY=VALUE")
+    return parser
+
+
+def _layout_keys() -> list[str]:
+    import dataclasses
+
+    from .config import LayoutSection
+
+    return [field.name for field in dataclasses.fields(LayoutSection)]
+
+
+def main(argv: list[str]) -> int:
+    """``automodel plan ...``; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_intermixed_args(argv)
+    if args.world_size is None and (args.nnodes is None or args.nproc_per_node is None):
+        parser.error("give --world-size N, or --nnodes K with --nproc-per-node G")
+    world_size = args.world_size if args.world_size is not None else args.nnodes * args.nproc_per_node
+    try:
+        layout = layout_from_overrides(args.overrides)
+    except ConfigError as error:
+        print(f"automodel plan: {error}", file=sys.stderr)
+        return 2
+    from .loop import mesh_arguments
+
+    try:
+        arguments = mesh_arguments(layout)
+    except ValueError as error:
+        print(f"automodel plan: {error}", file=sys.stderr)
+        return 2
+    return print_plan(
+        args.model,
+        world_size,
+        arguments,
+        ranks=args.ranks,
+        dtype=args.dtype,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        optimizer=args.optimizer,
+        trust_remote_code=args.trust_remote_code,
+        as_json=args.json,
+    )
+
+
+def print_plan(model: str, world_size: int, layout: dict, *, as_json: bool = False, **options) -> int:
+    """Plan ``model`` on ``world_size`` ranks with ``layout`` (``MeshContext.build`` keywords), print it; 0 when the
+    layout fits, 1 when it is refused."""
+    from automodel.planning import plan
+
+    try:
+        result = plan(model, world_size=world_size, layout=layout, **options)
+    except (ValueError, FileNotFoundError, OSError) as error:
+        print(f"automodel plan: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=1) if as_json else result.table())
+    return 0 if result.ok else 1
+
+
+def dry_run(config: RecipeConfig, world_size: int) -> int:
+    """``automodel sft|pretrain --dry-run``: the plan of the resolved config on ``world_size`` ranks."""
+    from .loop import mesh_arguments, prepare_model
+
+    prepare_model(config)
+    dtypes = {"float32": "fp32", "bfloat16": "bf16"}
+    return print_plan(
+        config.model.path,
+        world_size,
+        mesh_arguments(config.layout),
+        dtype=dtypes[config.model.dtype],
+        micro_batch_size=config.train.micro_batch_size,
+        seq_len=config.train.seq_len,
+        trust_remote_code=config.model.trust_remote_code,
+    )

@@ -1,0 +1,185 @@
+"""``automodel.plan`` / ``automodel plan``: simulated ranks (torch's fake process group, the model on meta) report
+exactly what a real gloo run holds and reads on every rank, refuse what the real run refuses with its message, and
+scale to thousands of ranks in one process tree.
+
+The real run is the loading pipeline of ``from_pretrained`` on CPU gloo ranks; each real rank's figures must equal
+those of the simulated rank that stands for it (``stands_for``), byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from automodel.planning import plan
+from tests.cases.plan import held_and_read, refusal
+from tests.cases.sidecar_nemotron_h import save_checkpoint as save_nemotron_h
+from tests.tiny_models import save_tiny_checkpoint
+from tests.vlm_models import save_tiny_vlm
+
+REPO = Path(__file__).resolve().parents[1]
+
+LAYOUTS = {
+    "fsdp2": (4, {"strategy": "fsdp2"}),
+    "hsdp_2x2": (4, {"strategy": "fsdp2", "dp_replicate_size": 2}),
+    "tp2": (2, {"strategy": "fsdp2", "tp_size": 2}),
+    "fsdp2_tp2": (4, {"strategy": "fsdp2", "tp_size": 2}),
+    "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
+    "ep2": (4, {"strategy": "fsdp2", "ep_size": 2}),
+    "ep2_tp2": (4, {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2}),
+}
+MODELS = ("llama_uneven", "qwen3_moe", "nemotron_h")
+EP = {"ep2", "ep2_tp2"}
+QUICK = {("llama_uneven", "fsdp2_tp2"), ("qwen3_moe", "ep2"), ("nemotron_h", "fsdp2")}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    folders = {name: tmp_path_factory.mktemp(name) for name in (*MODELS, "three_heads", "three_experts", "qwen3_vl")}
+    save_tiny_checkpoint("llama_uneven", folders["llama_uneven"])
+    save_tiny_checkpoint("qwen3_moe", folders["qwen3_moe"])
+    save_nemotron_h(str(folders["nemotron_h"]))
+    save_tiny_checkpoint("llama", folders["three_heads"], num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
+    save_tiny_checkpoint("qwen3_moe", folders["three_experts"], num_experts=3)
+    save_tiny_vlm("qwen3_vl", folders["qwen3_vl"])
+    return {name: str(folder) for name, folder in folders.items()}
+
+
+def _matrix():
+    for model in MODELS:
+        for name, (world, layout) in LAYOUTS.items():
+            if (name in EP and model == "llama_uneven") or (model, name) == ("nemotron_h", "cp2"):
+                continue  # no experts; Nemotron-H refuses CP (a refusal case below)
+            marks = [pytest.mark.distributed] + ([] if (model, name) in QUICK else [pytest.mark.slow])
+            yield pytest.param(model, world, layout, id=f"{model}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize(("model", "world", "layout"), _matrix())
+def test_every_rank_holds_and_reads_what_its_plan_says(request, checkpoints, model, world, layout):
+    real = request.getfixturevalue(f"ranks{world}").run(held_and_read, checkpoints[model], layout)
+    planned = plan(checkpoints[model], world_size=world, layout=layout, dtype="fp32")
+    assert planned.ok, planned.error
+    covered = sorted(rank for result in planned.ranks for rank in result.stands_for)
+    assert sorted(set(covered)) == list(range(world)), planned.ranks
+    for rank, figures in enumerate(real):
+        result = next(result for result in planned.ranks if rank in result.stands_for)
+        assert result.param_bytes == figures["param_bytes"], (rank, result, figures)
+        assert result.checkpoint_read_bytes == figures["read_bytes"], (rank, result, figures)
+    assert planned.total_param_bytes >= max(result.param_bytes for result in planned.ranks)
+
+
+REFUSALS = {
+    "heads": ("three_heads", 2, {"strategy": "fsdp2", "tp_size": 2}),
+    "kv_heads": ("llama_uneven", 4, {"strategy": "fsdp2", "tp_size": 4}),
+    "experts": ("three_experts", 2, {"strategy": "fsdp2", "ep_size": 2}),
+    "sidecar": ("nemotron_h", 2, {"strategy": "fsdp2", "cp_size": 2}),
+    "cp_on_a_vlm": ("qwen3_vl", 2, {"strategy": "fsdp2", "cp_size": 2}),
+    "world_size": ("llama_uneven", 4, {"strategy": "fsdp2", "tp_size": 3}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_layout_the_real_run_refuses_is_refused_with_its_message(request, checkpoints, case):
+    model, world, layout = REFUSALS[case]
+    messages = request.getfixturevalue(f"ranks{world}").run(refusal, checkpoints[model], layout)
+    assert messages[0] is not None and len(set(messages)) == 1, messages
+    planned = plan(checkpoints[model], world_size=world, layout=layout, dtype="fp32")
+    assert not planned.ok and planned.error == messages[0], (planned.error, messages[0])
+    assert planned.ranks == []
+
+
+def test_the_representative_ranks_stand_for_every_rank_once(checkpoints):
+    """Without ``ranks``: rank 0, the last rank, and one rank per class of equal local shapes (97 rows over 4: three
+    full chunks and a short one)."""
+    planned = plan(checkpoints["llama_uneven"], world_size=4, layout={"strategy": "fsdp2"}, dtype="fp32")
+    assert [(result.rank, result.stands_for) for result in planned.ranks] == [(0, [0, 1, 2]), (3, [3])]
+    assert planned.ranks[0].param_bytes > planned.ranks[1].param_bytes
+    assert planned.ranks[0].padded_param_bytes == planned.ranks[1].padded_param_bytes  # FSDP2 pads the short one
+    assert any("FSDP2 units" in line for line in planned.log), planned.log
+
+
+def test_estimates_follow_the_batch_and_the_checkpointing(checkpoints):
+    model = checkpoints["llama_uneven"]
+    layout = {"strategy": "fsdp2"}
+    small = plan(model, world_size=2, layout=layout, micro_batch_size=1, seq_len=64, ranks=[0]).ranks[0]
+    large = plan(model, world_size=2, layout=layout, micro_batch_size=2, seq_len=64, ranks=[0]).ranks[0]
+    full = plan(
+        model,
+        world_size=2,
+        layout={**layout, "activation_checkpointing": "full"},
+        micro_batch_size=2,
+        seq_len=64,
+        ranks=[0],
+    ).ranks[0]
+    assert large.activation_bytes_estimate == 2 * small.activation_bytes_estimate
+    assert full.activation_bytes_estimate < large.activation_bytes_estimate
+    assert small.optimizer_bytes == 4 * small.param_bytes  # two fp32 states per bf16 element
+    assert small.peak_bytes_estimate > small.param_bytes + small.activation_bytes_estimate
+
+
+def _automodel(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "automodel.training.cli", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def test_the_command_prints_json_with_the_documented_keys(checkpoints):
+    done = _automodel(
+        "plan",
+        "--model",
+        checkpoints["qwen3_moe"],
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "layout.ep_size=2",
+        "--micro-batch-size",
+        "1",
+        "--seq-len",
+        "32",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert {"world_size", "ok", "error", "total_param_bytes", "ranks", "log"} <= set(result)
+    assert result["world_size"] == 4 and result["ok"] and result["error"] is None
+    keys = {
+        "rank",
+        "stands_for",
+        "param_bytes",
+        "grad_bytes",
+        "optimizer_bytes",
+        "checkpoint_read_bytes",
+        "largest_gather_bytes",
+        "activation_bytes_estimate",
+        "peak_bytes_estimate",
+    }
+    assert all(keys <= set(rank) for rank in result["ranks"]), result["ranks"]
+
+
+def test_the_command_exits_1_with_the_refusal_and_2_on_bad_keys(checkpoints):
+    refused = _automodel("plan", "--model", checkpoints["llama_uneven"], "--world-size", "4", "layout.tp_size=3")
+    assert refused.returncode == 1 and "does not divide the world size 4" in refused.stdout, refused
+    bad = _automodel("plan", "--model", checkpoints["llama_uneven"], "--world-size", "4", "train.lr=1")
+    assert bad.returncode == 2 and "only layout.KEY=VALUE" in bad.stderr, bad
+
+
+def test_a_recipe_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
+    done = _automodel(
+        "sft",
+        "--config",
+        str(REPO / "recipes" / "sft_tiny.yaml"),
+        "--nproc-per-node",
+        "2",
+        "--dry-run",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "plan: 2 ranks" in done.stdout and "stands for" in done.stdout, done.stdout
+    assert not (tmp_path / "ckpt").exists()
