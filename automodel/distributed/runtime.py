@@ -28,11 +28,13 @@ def log_rank_zero(logger: logging.Logger, message: str, *args: Any, level: int =
 
 
 def collective_device() -> torch.device:
-    """The device whose tensors the default process group's collectives take: the CPU under gloo (or MPI), else the
-    current accelerator (NCCL, or a ``cpu:gloo,cuda:nccl`` pair). Meshes are built on its type."""
+    """The device whose tensors the default process group's collectives take: the CPU under gloo (or MPI) and under
+    torch's fake process group (a simulated rank, see ``automodel.plan``: no device is touched), else the current
+    accelerator (NCCL, or a ``cpu:gloo,cuda:nccl`` pair). Meshes are built on its type."""
     backend = str(dist.get_backend()).lower()
-    accelerator = torch.accelerator.current_accelerator()
-    if backend in ("gloo", "mpi") or accelerator is None:
+    # check_available: a CUDA build of torch on a machine without a driver has no accelerator.
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if backend in ("gloo", "mpi", "fake") or accelerator is None:
         return torch.device("cpu")
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
