@@ -49,10 +49,16 @@ def test_heads_not_divisible_by_tp_names_module_and_numbers(ranks2):
     assert "num_attention_heads=3" in messages[0] and "tp_size=2" in messages[0]
 
 
-def test_missing_tp_plan_names_the_class_and_how_to_supply_one(ranks2):
-    message = ranks2.run(hooks.parallelize_error, {}, {"strategy": "fsdp2", "tp_size": 2}, "none")[0]
-    assert "LlamaForCausalLM has no tensor-parallel plan" in message
-    assert "_tp_plan" in message and "tp_shard_plan" in message
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"tp_size": 2, "sequence_parallel": True}], ids=["tp2", "tp2_sp"])
+def test_a_model_without_a_plan_gets_the_one_its_data_flow_gives(ranks2, layout):
+    """The plan derived from the module tree is transformers' own Llama plan (every projection colwise / rowwise,
+    the head gathered), and the model matches plain transformers."""
+    result = ranks2.run(hooks.derived_plan_parity, {"strategy": "fsdp2", **layout})[0]
+    projections = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
+    expected = {f"model.layers.*.{name}": "colwise" for name in projections}
+    expected |= {"model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    assert result["plan"] == {**expected, "lm_head": "colwise_gather_output"}, result["plan"]
+    assert max(result["logits"], result["loss"], result["grad"]) <= 1e-5, result
 
 
 def test_sequence_parallel_refuses_a_style_it_cannot_follow(ranks2):

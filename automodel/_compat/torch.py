@@ -10,7 +10,8 @@ ecosystem do; it has not changed since torch 1.0.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "mutated_tensors",
     "replicate",
     "set_last_lr",
+    "distribution_checks_off",
     "split_placement",
     "tree_leaves",
     "tree_map_only",
@@ -195,6 +197,18 @@ def apply_to_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tenso
     the conversion ``to``, ``to_empty`` and FSDP2's re-padding of its shards go through), with a function of our own.
     Known: 2.9.0 - 2.14.1."""
     module._apply(fn, recurse=recurse)
+
+
+@contextlib.contextmanager
+def distribution_checks_off() -> Iterator[None]:
+    """``torch.distributions`` without their argument checks, which read values (a meta-device trace has none); the
+    previous default (``Distribution._validate_args``) is restored after. Known: 2.9.0 - 2.14.1."""
+    previous = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(previous)
 
 
 def split_placement(placement: Placement, tensor: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from .compile import check_compile, compile_blocks
 from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
+from .derived_tp_plan import DERIVED_SOURCE
 from .expert_parallel import apply_expert_parallel, drop_expert_rules, shard_experts, validate_experts
 from .fsdp import fully_shard_default, shard_default_units, unshard_for_outside_calls
 from .hook_policy import overrides
@@ -98,7 +99,7 @@ def plan_tensor_parallel(
     """
     if tp_mesh.size() == 1:
         return None
-    choice = choose_tp_plan(model, tp_shard_plan, sidecar=type(parallelizer).__name__)
+    choice = choose_tp_plan(model, tp_shard_plan, tp_mesh.size(), sidecar=type(parallelizer).__name__)
     check_plan_rules(model, choice)
     if expert_names:
         choice = TPPlanChoice(drop_expert_rules(choice.plan, expert_names), choice.source)
@@ -122,7 +123,8 @@ def tensor_parallel_step(
         model, tp_mesh, choice.plan, sequence_parallel=sequence_parallel, owned_elsewhere=expert_names
     )
     sp = ", sequence parallel" if sequence_parallel else ""
-    return f"TP over tp={tp_mesh.size()} (plan: {len(choice.plan)} rules from {choice.source}{sp})"
+    source = choice.source if choice.source == DERIVED_SOURCE else f"from {choice.source}"
+    return f"TP over tp={tp_mesh.size()} (plan: {len(choice.plan)} rules {source}{sp})"
 
 
 def expert_parallel_step(model: nn.Module, context: MeshContext, expert_names: list[str]) -> ExpertGroups:

@@ -7,7 +7,8 @@ many plans in transformers miss some (Apertus' XIELU scalars, Sarvam-MoE's q/k n
 
 Which modules do is decided from the data flow, at the first forward with gradients, without names: the outputs of
 sharded-output styles (and of every module computing on them) are recorded by storage, and a replicated module whose
-input is one of them gets its parameters' gradients summed over TP from then on (rank 0 logs which). A module whose
+input is one of them gets its parameters' gradients summed over TP from then on (rank 0 logs which); a module holding
+a styled module passes no sharding on (the style it holds restores its output). A module whose
 input is replicated (a norm before a colwise projection) is left alone. The detection hooks are removed after that
 forward; they run eagerly in compiled blocks (``torch.compiler.disable``: storages cannot be traced), so the first
 forward of a compiled model breaks its graphs where they sit, and the blocks are compiled again without them.
@@ -48,7 +49,10 @@ def reduce_partial_gradients(model: nn.Module, tp_mesh: DeviceMesh, styles: dict
         if name in styled or module is model or _inside_styled(name, styled):
             continue
         handles.append(module.register_forward_pre_hook(detection.check_inputs(name), with_kwargs=True))
-        handles.append(module.register_forward_hook(detection.propagate))
+        # A module holding a styled one (BERT's ``output`` around the rowwise ``dense``, taking the sharded
+        # intermediate activation) returns what that style restored: its outputs are not sharded features.
+        if not any(prefix.startswith(f"{name}.") for prefix in styled):
+            handles.append(module.register_forward_hook(detection.propagate))
     handles.append(model.register_forward_hook(detection.finish(handles, type(model).__name__)))
 
 

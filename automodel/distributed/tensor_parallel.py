@@ -2,8 +2,9 @@
 
 Plans are transformers' plans: literal dicts from module / parameter names (with ``*`` for layer numbers) to
 transformers' style names. One plan applies, chosen by a stated precedence (:func:`choose_tp_plan`): the one a user
-passes to ``from_pretrained(tp_plan=...)``, else the sidecar's, else the model's own. Shared code never writes a
-per-architecture plan; a model without one gets a clear error.
+passes to ``from_pretrained(tp_plan=...)``, else the sidecar's, else the model's own, else one derived from the module
+tree (:mod:`derived_tp_plan`). Shared code never writes a per-architecture plan; a model from which none can be
+derived gets a clear error saying why.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from automodel._compat.torch import tree_map_only
 
 from .adapters import LOCAL_INPUT_STYLE, adapter_placements
+from .derived_tp_plan import DERIVED_SOURCE, derive_tp_plan
 from .hf_plans import expand_plan, matchable_plan_keys, model_tp_plan
 from .model_structure import decoder_layers, encoder_tower_blocks, retie_parameters, tied_parameter_names
 from .partial_gradients import reduce_partial_gradients
@@ -57,7 +59,7 @@ _USER_PLAN_ATTRIBUTE = "_automodel_user_tp_plan"
 @dataclass(frozen=True)
 class TPPlanChoice:
     """The plan TP applies and where it came from (``"from_pretrained(tp_plan=...)"``, the sidecar's class name, or
-    ``"the model"``)."""
+    ``"the model"``, or ``"derived from the module tree"``)."""
 
     plan: TPPlan
     source: str
@@ -69,6 +71,7 @@ class TPPlanChoice:
 
 
 USER_SOURCE = "from_pretrained(tp_plan=...)"
+MODEL_SOURCE = "the model"
 
 
 def set_user_tp_plan(model: nn.Module, plan: PlanSpec | None) -> None:
@@ -81,21 +84,31 @@ def set_user_tp_plan(model: nn.Module, plan: PlanSpec | None) -> None:
     setattr(model, _USER_PLAN_ATTRIBUTE, plan)
 
 
-def choose_tp_plan(model: nn.Module, sidecar_plan: PlanSpec | None, sidecar: str = "the sidecar") -> TPPlanChoice:
+def choose_tp_plan(
+    model: nn.Module, sidecar_plan: PlanSpec | None, tp_size: int, sidecar: str = "the sidecar"
+) -> TPPlanChoice:
     """The one TP plan for ``model``, by precedence: the user's (:func:`set_user_tp_plan`) > ``sidecar_plan`` > the
-    model's own (``_tp_plan`` + ``config.base_model_tp_plan``); fused gate/up projections are packed
+    model's own (``_tp_plan`` + ``config.base_model_tp_plan``) > one derived from its module tree for ``tp_size``
+    ranks (:func:`derived_tp_plan.derive_tp_plan`); fused gate/up projections are packed
     (:func:`tp_styles.packed_fused_projections`).
 
     A plan may be a dict, a callable of the model, or the ``"module:attr"`` import path of either. Raises when the
-    chosen plan is empty, naming the class and the ways to supply one.
+    chosen plan is empty, and when none is declared and none can be derived, naming the class and why.
     """
     user = getattr(model, _USER_PLAN_ATTRIBUTE, None)
     if user is not None:
         plan, source = _materialize(user, model), USER_SOURCE
     elif sidecar_plan is not None:
         plan, source = _materialize(sidecar_plan, model), sidecar
+    elif model_tp_plan(model):
+        plan, source = model_tp_plan(model), MODEL_SOURCE
     else:
-        plan, source = resolve_tp_plan(model), "the model"
+        plan, source = derive_tp_plan(model, tp_size), DERIVED_SOURCE
+    if not plan:
+        raise ValueError(
+            f"The TP plan from {source} for {type(model).__name__} is empty, so tp_size > 1 would shard nothing. Give "
+            "it rules with transformers style names, or use tp_size=1."
+        )
     return TPPlanChoice(packed_fused_projections(plan), source)
 
 

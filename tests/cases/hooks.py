@@ -99,6 +99,17 @@ def parallelize_error(config_overrides: dict[str, Any], layout: dict[str, Any], 
     return "no error"
 
 
+def derived_plan_parity(layout: dict[str, Any]) -> dict[str, Any]:
+    """A Llama whose class declares no TP plan: the plan derived from its module tree, and parity with the plain
+    model (logits, loss, every gradient)."""
+    context = MeshContext.build(**layout)
+    reference = build_model(tiny_llama_config())
+    model = copy.deepcopy(reference)
+    model._tp_plan = {}
+    model = ModelParallelizer().parallelize(model, context)
+    return {"plan": dict(model._tp_plan), **compare_with_reference(reference, model, context, token_batch())}
+
+
 def forward_error(layout: dict[str, Any], seq_len: int) -> str:
     """The message of the error a forward pass raises (e.g. a sequence SP cannot split)."""
     context = MeshContext.build(**layout)
