@@ -61,6 +61,16 @@ def test_a_model_without_a_plan_gets_the_one_its_data_flow_gives(ranks2, layout)
     assert max(result["logits"], result["loss"], result["grad"]) <= 1e-5, result
 
 
+def test_a_planted_wrong_plan_is_refused_at_the_first_forward(ranks2):
+    """A plan that shards the MLP's input projections but leaves ``down_proj`` replicated: the first forward refuses
+    it naming ``down_proj``, instead of a shape error inside the MLP."""
+    plan = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise"}
+    messages = ranks2.run(hooks.wrong_plan_error, plan, {"strategy": "fsdp2", "tp_size": 2})
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("model.layers.0.mlp.down_proj (Linear, "), messages[0]
+    assert "'rowwise'" in messages[0]
+
+
 def test_sequence_parallel_refuses_a_style_it_cannot_follow(ranks2):
     plan = {"model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.down_proj": "colwise_gather_output"}
     layout = {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}

@@ -20,9 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from automodel.distributed.hf_plans import model_tp_plan
 from tests.cases.zoo import one_process_exactness, zoo_parity
-from tests.causal_lm_zoo import ZOO_MODEL_TYPES, feasibility, train_mode
+from tests.causal_lm_zoo import ZOO_MODEL_TYPES, feasibility, tiny_config, train_mode
 from tests.harness import RankFailure, RankPool
 
 pytestmark = pytest.mark.zoo
@@ -31,7 +34,17 @@ TOLERANCE = 1e-4
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "fsdp2_dp4": (4, {"strategy": "fsdp2"}),
     "tp2": (2, {"strategy": "fsdp2", "tp_size": 2}),
+    "fsdp2_tp2": (4, {"strategy": "fsdp2", "tp_size": 2}),
 }
+#: Architectures whose class declares no TP plan, so TP uses the one derived from their module tree, spread over the
+#: families (BART and BERT decoders, fused-qkv and Conv-free GPTs, Falcon, hybrids): FSDP2 x TP=2 runs these.
+DERIVED_SAMPLE = [
+    "bart", "bert-generation", "biogpt", "bloom", "ctrl", "electra", "falcon", "gpt_bigcode", "gpt_neo",
+    "gpt_neox_japanese", "megatron-bert", "modernbert-decoder", "moshi", "mpt", "opt", "prophetnet",
+    "recurrent_gemma", "stablelm", "xglm", "zamba",
+]  # fmt: skip
+#: The layouts that run on a sample only (the others run every feasible architecture).
+SAMPLES = {"fsdp2_tp2": DERIVED_SAMPLE}
 #: Model types per pool call; a call that loses its rank group is rerun one model type per call.
 CHUNK = 40
 SECONDS_PER_MODEL = 15.0
@@ -99,7 +112,8 @@ def zoo_sweep(request) -> Callable[[str, str], dict[str, Any]]:
         if layout_name not in sweeps:
             world, layout = LAYOUTS[layout_name]
             start = time.perf_counter()
-            sweeps[layout_name] = run_sweep(request.getfixturevalue(f"ranks{world}"), feasible_model_types(), layout)
+            model_types = SAMPLES.get(layout_name) or feasible_model_types()
+            sweeps[layout_name] = run_sweep(request.getfixturevalue(f"ranks{world}"), model_types, layout)
             print(
                 f"\nzoo sweep {layout_name}: {len(sweeps[layout_name])} model types in "
                 f"{time.perf_counter() - start:.0f} s"
@@ -148,6 +162,16 @@ def test_tp2_matches_plain_transformers_or_refuses_without_plan(zoo_sweep, model
         assert result["step"] == "load", _describe(result)
         return
     assert_parity(result)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_type", DERIVED_SAMPLE)
+def test_fsdp2_x_tp2_with_a_derived_plan_matches_plain_transformers(zoo_sweep, model_type):
+    with torch.device("meta"):
+        declared = model_tp_plan(AutoModelForCausalLM.from_config(tiny_config(model_type)))
+    assert not declared, f"{model_type} declares a TP plan: it does not belong in DERIVED_SAMPLE"
+    assert_parity(zoo_sweep("fsdp2_tp2", model_type))
 
 
 def _has_parity(result: dict[str, Any]) -> bool:

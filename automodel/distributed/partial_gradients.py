@@ -8,7 +8,9 @@ many plans in transformers miss some (Apertus' XIELU scalars, Sarvam-MoE's q/k n
 Which modules do is decided from the data flow, at the first forward with gradients, without names: the outputs of
 sharded-output styles (and of every module computing on them) are recorded by storage, and a replicated module whose
 input is one of them gets its parameters' gradients summed over TP from then on (rank 0 logs which); a module holding
-a styled module passes no sharding on (the style it holds restores its output). A module whose
+a styled module passes no sharding on (the style it holds restores its output). A replicated ``nn.Linear`` whose
+input has fewer features than it takes (a plan that shards ``up_proj`` but not ``down_proj``) is a wrong plan: it is
+refused there, naming the module, instead of failing on a shape deep in the forward. A module whose
 input is replicated (a norm before a colwise projection) is left alone. The detection hooks are removed after that
 forward; they run eagerly in compiled blocks (``torch.compiler.disable``: storages cannot be traced), so the first
 forward of a compiled model breaks its graphs where they sit, and the blocks are compiled again without them.
@@ -89,6 +91,13 @@ class _Detection:
             inputs = _plain_tensors((args, kwargs))
             on_shards = any(tensor.untyped_storage().data_ptr() in self.sharded for tensor in inputs)
             self.consumers[module] = on_shards
+            if isinstance(module, nn.Linear) and inputs and inputs[0].shape[-1] != module.in_features:
+                raise ValueError(
+                    f"{name} ({type(module).__name__}, {module.in_features} input features) is left replicated by the "
+                    f"TP plan, but its input has {inputs[0].shape[-1]} features on this rank: a slice that a module "
+                    "the plan shards column-wise hands it. Give it the 'rowwise' style, or do not shard the modules "
+                    "before it (or use tp_size=1)."
+                )
             if on_shards and _owns_replicated_trainable(module) and name not in self.reduced:
                 self.reduced.append(name)
                 # This call's parameters get the hook now; later ones (FSDP's re-registered, loaded) in forward.

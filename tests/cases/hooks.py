@@ -19,6 +19,7 @@ from automodel.distributed import (
     fully_shard_default,
 )
 from automodel.distributed.megatron_fsdp import megatron_fsdp_arguments
+from automodel.distributed.tensor_parallel import set_user_tp_plan
 from tests.parity import compare_with_reference
 from tests.tiny_models import build_model, tiny_llama_config, token_batch
 
@@ -108,6 +109,20 @@ def derived_plan_parity(layout: dict[str, Any]) -> dict[str, Any]:
     model._tp_plan = {}
     model = ModelParallelizer().parallelize(model, context)
     return {"plan": dict(model._tp_plan), **compare_with_reference(reference, model, context, token_batch())}
+
+
+def wrong_plan_error(plan: dict[str, str], layout: dict[str, Any]) -> str:
+    """The error the first training forward raises for a user's TP plan that leaves a consumer of sharded features
+    replicated."""
+    context = MeshContext.build(**layout)
+    model = build_model(tiny_llama_config())
+    set_user_tp_plan(model, plan)
+    model = ModelParallelizer().parallelize(model, context)
+    try:
+        model(input_ids=token_batch(), labels=token_batch()).loss.backward()
+    except ValueError as error:
+        return str(error)
+    return "no error"
 
 
 def forward_error(layout: dict[str, Any], seq_len: int) -> str:
