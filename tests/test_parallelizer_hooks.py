@@ -71,6 +71,18 @@ def test_a_planted_wrong_plan_is_refused_at_the_first_forward(ranks2):
     assert "'rowwise'" in messages[0]
 
 
+@pytest.mark.parametrize("planted", [None, "model.layers.1.post_attention_layernorm.weight"], ids=["clean", "planted"])
+def test_the_first_backward_of_a_derived_plan_checks_replicated_gradients_agree(ranks2, planted):
+    """Under a derived plan, a replicated parameter whose gradient differs between the TP ranks after the first
+    backward is refused on every rank, naming it; a healthy model trains on."""
+    messages = ranks2.run(hooks.derived_plan_backward, {"strategy": "fsdp2", "tp_size": 2}, planted)
+    assert len(set(messages)) == 1, messages
+    if planted is None:
+        assert messages[0] == "no error"
+    else:
+        assert "got different gradients on the TP ranks" in messages[0] and planted in messages[0], messages[0]
+
+
 def test_sequence_parallel_refuses_a_style_it_cannot_follow(ranks2):
     plan = {"model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.down_proj": "colwise_gather_output"}
     layout = {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}

@@ -38,6 +38,7 @@ __all__ = [
     "mutated_tensors",
     "replicate",
     "set_last_lr",
+    "at_end_of_backward",
     "distribution_checks_off",
     "split_placement",
     "tree_leaves",
@@ -197,6 +198,13 @@ def apply_to_tensors(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tenso
     the conversion ``to``, ``to_empty`` and FSDP2's re-padding of its shards go through), with a function of our own.
     Known: 2.9.0 - 2.14.1."""
     module._apply(fn, recurse=recurse)
+
+
+def at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends (called from inside it: a tensor's gradient hook); a
+    callback queued by a callback runs after every callback already queued, FSDP2's final one included
+    (``Variable._execution_engine.queue_callback``, what FSDP2 itself uses). Known: 2.9.0 - 2.14.1."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 @contextlib.contextmanager

@@ -120,7 +120,12 @@ def tensor_parallel_step(
     if choice is None:
         return None
     apply_tensor_parallel(
-        model, tp_mesh, choice.plan, sequence_parallel=sequence_parallel, owned_elsewhere=expert_names
+        model,
+        tp_mesh,
+        choice.plan,
+        sequence_parallel=sequence_parallel,
+        owned_elsewhere=expert_names,
+        check_gradients=choice.source == DERIVED_SOURCE,
     )
     sp = ", sequence parallel" if sequence_parallel else ""
     source = choice.source if choice.source == DERIVED_SOURCE else f"from {choice.source}"

@@ -26,6 +26,7 @@ from .derived_tp_plan import DERIVED_SOURCE, derive_tp_plan
 from .hf_plans import expand_plan, matchable_plan_keys, model_tp_plan
 from .model_structure import decoder_layers, encoder_tower_blocks, retie_parameters, tied_parameter_names
 from .partial_gradients import reduce_partial_gradients
+from .replica_check import check_replicated_gradients_once
 from .tp_styles import (
     SequenceParallelNorm,
     SequenceParallelRowwise,
@@ -178,9 +179,18 @@ def validate_attention_heads(model: nn.Module, tp_size: int, plan: TPPlan) -> No
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, sequence_parallel: bool, owned_elsewhere: list[str] = ()
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TPPlan,
+    *,
+    sequence_parallel: bool,
+    owned_elsewhere: list[str] = (),
+    check_gradients: bool = False,
 ) -> None:
     """Shard parameters and install the forward transforms of every plan entry on ``tp_mesh``.
+
+    With ``check_gradients`` (on for a derived plan) the first backward checks that every replicated parameter got
+    the same gradient on every TP rank (:mod:`replica_check`).
 
     With ``sequence_parallel`` the decoder layers run on sequence shards (see :func:`_sequence_parallel_styles`).
     Parameters the plan does not shard become replicated DTensors on ``tp_mesh`` (:func:`tp_styles.replicate_on_mesh`),
@@ -213,6 +223,8 @@ def apply_tensor_parallel(
         if name in modules:
             install_module_style(model, modules[name], style, tp_mesh)
     reduce_partial_gradients(model, tp_mesh, styles)
+    if check_gradients:
+        check_replicated_gradients_once(model, tp_mesh)
 
 
 def _check_tied_placements(model: nn.Module, groups: list[list[str]]) -> None:

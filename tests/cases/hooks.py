@@ -125,6 +125,27 @@ def wrong_plan_error(plan: dict[str, str], layout: dict[str, Any]) -> str:
     return "no error"
 
 
+def derived_plan_backward(layout: dict[str, Any], planted: str | None) -> str:
+    """Two training steps of a Llama under its derived plan; with ``planted``, that parameter's gradient is made
+    rank-dependent on the first (as a replicated module computing on its rank's slice would give): the error the
+    first backward raises, or "no error"."""
+    context = MeshContext.build(**layout)
+    model = build_model(tiny_llama_config())
+    model._tp_plan = {}
+    model = ModelParallelizer().parallelize(model, context)
+    if planted is not None:
+        rank = dist.get_rank(context.mesh("tp").get_group())
+        handle = model.get_parameter(planted).register_hook(lambda grad: grad * (1.0 + rank))
+    try:
+        for _ in range(2):
+            model(input_ids=token_batch(), labels=token_batch()).loss.backward()
+            if planted is not None:
+                handle.remove()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def forward_error(layout: dict[str, Any], seq_len: int) -> str:
     """The message of the error a forward pass raises (e.g. a sequence SP cannot split)."""
     context = MeshContext.build(**layout)
