@@ -1,11 +1,12 @@
-# make test:        the contract checks, then the whole test suite but the zoo sweep (the README's test command).
+# make test:        the contract checks, then the test suite less the slow matrix (the README's test command).
+# make test-slow:   the slow matrix (every layout x activation checkpointing, the wheel, preemption, compile ...).
 # make test-zoo:    the causal-LM zoo sweep: every architecture of transformers in one process, FSDP2 and TP=2.
 # make demo:        SmolLM2-135M-Instruct fine-tuned with FSDP2 on 2 CPU ranks, exported, then asked a question.
 # Both create the virtualenv first when it is missing or older than pyproject.toml, so each works on a fresh clone.
 # make install:     only the virtualenv (CPU torch, the dev tools and every extra the tests use).
 # make test-compat: the quick suite (less the recipe-level tests) in throwaway virtualenvs at both ends of the
 #                   tested version range.
-# CI (.ci/run) runs make test, make test-zoo and make test-compat.
+# CI (.ci/run) runs make test, make test-slow, make test-zoo and make test-compat: every test, on every submission.
 # make example:     the README's 10-line parallelization example on 2 CPU ranks.
 # make dist:        the sdist and the wheel, in dist/.
 VENV ?= .venv
@@ -23,7 +24,7 @@ EXTRAS := dev,gguf,datasets,peft,diffusion
 DEMO_MODEL := out/smollm2-135m-instruct
 DEMO_QUESTION := What is the capital of France?
 
-.PHONY: install lint test test-zoo test-quick test-compat test-compat-oldest test-compat-newest demo example dist
+.PHONY: install lint test test-slow test-zoo test-quick test-compat test-compat-oldest test-compat-newest demo example dist
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -42,13 +43,16 @@ lint: $(STAMP)
 	$(BIN)lint-imports
 
 test: lint
-	$(PYTHON) -m pytest tests -q -m "not zoo"
+	$(PYTHON) -m pytest tests -q -m "not slow and not zoo"
+
+test-slow: $(STAMP)
+	$(PYTHON) -m pytest tests -q -m "slow and not zoo"
 
 test-zoo: $(STAMP)
 	$(PYTHON) -m pytest tests -q -m zoo
 
 test-quick: $(STAMP)
-	$(PYTHON) -m pytest tests -q -m "not slow and not zoo"
+	$(PYTHON) -m pytest tests -q -m "not slow and not zoo and not distributed"
 
 test-compat: test-compat-oldest test-compat-newest
 
