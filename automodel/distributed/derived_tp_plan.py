@@ -87,6 +87,7 @@ class _Trace(TorchDispatchMode):
         self.unflattened: dict[int, tuple[str, int]] = {}  # id of a view of a linear's output -> (linear, its dim)
         self.mixed: list[frozenset[str]] = []  # the sources of each matmul of two traced operands
         self.layer_outputs: dict[str, frozenset[str]] = {}  # decoder layer -> the sources of its hidden states
+        self.output_shape: tuple[int, ...] = ()  # the logits' shape with whole weights
 
     def tag_of(self, tree: Any) -> frozenset[str]:
         tensors = [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
@@ -179,10 +180,11 @@ def _is_matmul(func: Any) -> bool:
 def derive_tp_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
     """The TP plan this module's docstring describes, for ``model`` (on meta or materialised: it is traced on a meta
     twin, never run) and ``tp_size`` ranks. Raises ``ValueError`` naming the class and why when nothing can be
-    sharded safely, or when an attention's heads do not divide ``tp_size``."""
+    sharded safely."""
     twin = _meta_twin(model)
     name = type(model).__name__
-    layers = {layer_name: layer for layer_name, layer in twin.named_modules() if layer in set(decoder_layers(twin))}
+    blocks = set(decoder_layers(twin))
+    layers = {layer_name: layer for layer_name, layer in twin.named_modules() if layer in blocks}
     try:
         trace = _trace(twin, layers)
     except Exception as error:  # noqa: BLE001 - any failure of the meta forward makes the derivation impossible
@@ -193,7 +195,7 @@ def derive_tp_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
         ) from error
     linears = {module_name: module for module_name, module in twin.named_modules() if _is_linear(module)}
     pairs, reasons, chained = _pairs(trace, layers, linears, tp_size)
-    expected = _logits_shape(twin)
+    expected = trace.output_shape
     kept: list[_Pair] = []
     for pair in pairs:
         if pair.attention and (why := _heads_not_divisible(twin, tp_size)):
@@ -266,7 +268,7 @@ def _trace(twin: nn.Module, layers: dict[str, nn.Module]) -> _Trace:
     for layer_name, layer in layers.items():
         handles.append(layer.register_forward_hook(_record_layer_output(trace, layer_name)))
     with _hooks(handles), trace:
-        _meta_forward(twin)
+        trace.output_shape = _output_shape(_meta_forward(twin))
     return trace
 
 
@@ -406,7 +408,11 @@ def _fits_local_shapes(twin: nn.Module, pairs: list[_Pair], tp_size: int, expect
 
 def _logits_shape(model: nn.Module) -> tuple[int, ...]:
     with _FakeScalars():
-        output = _meta_forward(model)
+        return _output_shape(_meta_forward(model))
+
+
+def _output_shape(output: Any) -> tuple[int, ...]:
+    """The shape of a forward's logits (else of its first tensor)."""
     logits = getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
         return tuple(logits.shape)
