@@ -45,7 +45,7 @@ from torch import nn
 from automodel._compat.torch import TorchDispatchMode, distribution_checks_off, tree_leaves
 from automodel._compat.transformers import replace_layer_number_by_wildcard
 
-from .model_structure import decoder_layers, output_embeddings, tied_parameter_names
+from .model_structure import attention_head_counts, decoder_layers, output_embeddings, tied_parameter_names
 
 __all__ = ["DERIVED_SOURCE", "derive_tp_plan"]
 
@@ -305,8 +305,11 @@ def _pairs(
     reasons: list[str] = []
     chained: list[str] = []
     for layer_name, _layer in layers.items():
-        own = {name for name in trace.inputs if name.startswith(f"{layer_name}.")}
-        deps = {name: trace.inputs[name] & own for name in own}
+        # In call order (trace.inputs is filled as the forward runs), not set order: every rank must derive the same
+        # plan and word a refusal the same way, and set order of strings differs between processes.
+        order = [name for name in trace.inputs if name.startswith(f"{layer_name}.")]
+        own = frozenset(order)
+        deps = {name: trace.inputs[name] & own for name in order}
         for exit_name, needs in deps.items():
             if not needs or any(deps[name] & needs for name in needs):
                 continue
@@ -372,14 +375,8 @@ def _unsafe(
 
 
 def _heads_not_divisible(model: nn.Module, tp_size: int) -> str | None:
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text_config, "num_attention_heads", None)
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    for label, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if isinstance(count, int) and count % tp_size:
+    for label, count in attention_head_counts(model).items():
+        if count % tp_size:
             return f"{label}={count} is not divisible by tp_size={tp_size}"
     return None
 

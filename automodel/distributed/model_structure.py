@@ -18,6 +18,7 @@ from torch import nn
 from .runtime import log_rank_zero
 
 __all__ = [
+    "attention_head_counts",
     "decoder_layers",
     "encoder_tower_blocks",
     "input_embeddings",
@@ -203,3 +204,16 @@ def retie_parameters(model: nn.Module, groups: list[list[str]]) -> None:
             module_name, _, param_name = name.rpartition(".")
             module = model.get_submodule(module_name)
             module._parameters[param_name] = source
+
+
+def attention_head_counts(model: nn.Module) -> dict[str, int]:
+    """The config's ``num_attention_heads`` and ``num_key_value_heads`` (the latter defaulting to the former), of the
+    text config for a multimodal model; empty without a config or head counts."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text_config, "num_attention_heads", None)
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    counts = {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    return {label: count for label, count in counts.items() if isinstance(count, int)}

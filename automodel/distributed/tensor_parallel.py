@@ -24,7 +24,13 @@ from automodel._compat.torch import tree_map_only
 from .adapters import LOCAL_INPUT_STYLE, adapter_placements
 from .derived_tp_plan import DERIVED_SOURCE, derive_tp_plan
 from .hf_plans import expand_plan, matchable_plan_keys, model_tp_plan
-from .model_structure import decoder_layers, encoder_tower_blocks, retie_parameters, tied_parameter_names
+from .model_structure import (
+    attention_head_counts,
+    decoder_layers,
+    encoder_tower_blocks,
+    retie_parameters,
+    tied_parameter_names,
+)
 from .partial_gradients import reduce_partial_gradients
 from .replica_check import check_replicated_gradients_once
 from .tp_styles import (
@@ -101,8 +107,8 @@ def choose_tp_plan(
         plan, source = _materialize(user, model), USER_SOURCE
     elif sidecar_plan is not None:
         plan, source = _materialize(sidecar_plan, model), sidecar
-    elif model_tp_plan(model):
-        plan, source = model_tp_plan(model), MODEL_SOURCE
+    elif own := model_tp_plan(model):
+        plan, source = own, MODEL_SOURCE
     else:
         plan, source = derive_tp_plan(model, tp_size), DERIVED_SOURCE
     if not plan:
@@ -164,14 +170,10 @@ def validate_attention_heads(model: nn.Module, tp_size: int, plan: TPPlan) -> No
         ),
         None,
     )
-    config = getattr(model, "config", None)
-    if attention is None or config is None:
+    if attention is None:
         return
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text_config, "num_attention_heads", None)
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    for label, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if isinstance(count, int) and count % tp_size:
+    for label, count in attention_head_counts(model).items():
+        if count % tp_size:
             raise ValueError(
                 f"{attention}: {label}={count} is not divisible by tp_size={tp_size}, so its heads cannot be split "
                 f"evenly over the TP ranks. Choose a tp_size that divides {count}."
