@@ -81,12 +81,14 @@ def local_rows(context: MeshContext, batch_size: int) -> slice:
 
 
 def gradient_differences(reference: nn.Module, model: nn.Module) -> dict[str, Any]:
-    """The largest absolute gradient difference (and its parameter), the counts of parameters with a gradient on
+    """The largest absolute gradient difference (and its parameter), the largest difference relative to its
+    reference gradient's magnitude where that exceeds 1 (``grad_scaled``), the counts of parameters with a gradient on
     each side, the parameters without one (some get none by construction, e.g. an index-only router), and those whose
     gradient is present on one side only with a nonzero value (FSDP hands an all-zero gradient to a parameter the
     forward did not reach, which is no difference)."""
     ref_params = dict(reference.named_parameters())
     diffs: dict[str, float] = {}
+    scaled: dict[str, float] = {}
     without: list[str] = []
     presence: list[str] = []
     for name, param in model.named_parameters():
@@ -99,9 +101,11 @@ def gradient_differences(reference: nn.Module, model: nn.Module) -> dict[str, An
                 presence.append(f"{name} (plain: {ref_grad is not None}, parallel: {grad is not None})")
             continue
         diffs[name] = (grad - ref_grad).abs().max().item()
+        scaled[name] = diffs[name] / max(1.0, ref_grad.abs().max().item())
     worst = max(diffs, key=diffs.__getitem__) if diffs else None
     return {
         "grad": diffs[worst] if worst else 0.0,
+        "grad_scaled": max(scaled.values(), default=0.0),
         "worst_grad": worst,
         "n_grads": sum(param.grad is not None for param in model.parameters()),
         "n_ref_grads": sum(param.grad is not None for param in ref_params.values()),

@@ -83,7 +83,6 @@ def test_heads_that_do_not_divide_keep_attention_replicated():
 @pytest.mark.parametrize(
     ("model_type", "reason"),
     [
-        ("gpt2", "transformer.h.*.attn.c_attn packs several projections in one weight"),
         ("mamba", "backbone.layers.*.mixer.in_proj also feeds another linear layer"),
         ("bitnet", "one rank's local shapes do not run through its forward"),
     ],
@@ -93,8 +92,30 @@ def test_a_model_with_nothing_safe_to_shard_is_refused_naming_why(model_type, re
     with pytest.raises(ValueError, match="none can be derived from its module tree") as error:
         derive_tp_plan(model, 2)
     assert type(model).__name__ in str(error.value) and reason in str(error.value), str(error.value)
-    if model_type == "gpt2":
-        assert "is a Conv1D" in str(error.value)
+
+
+def test_a_forward_that_fails_on_meta_is_refused_naming_the_module_it_fails_in():
+    model = meta_model("llama")
+
+    def needs_values(*args, **kwargs):
+        raise NotImplementedError("Cannot copy out of meta tensor; no data!")
+
+    model.model.layers[1].mlp.act_fn.forward = needs_values
+    with pytest.raises(ValueError, match="none can be derived from its module tree") as error:
+        derive_tp_plan(model, 2)
+    assert (
+        "cannot be traced on the meta device: it fails in model.layers.1.mlp.act_fn (SiLUActivation) with "
+        "NotImplementedError: Cannot copy out of meta tensor" in str(error.value)
+    ), str(error.value)
+
+
+def test_gpt2_conv1d_mlp_is_sharded_and_its_packed_attention_stays_replicated():
+    """GPT-2's ``Conv1D`` layers take part like linear ones; its fused ``c_attn`` (q, k and v in one weight, split)
+    stays replicated, and its head is tied to the embedding, so only the MLP is sharded."""
+    assert derive_tp_plan(meta_model("gpt2"), 2) == {
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+    }
 
 
 def test_precedence_user_then_model_then_derived():

@@ -61,6 +61,32 @@ def test_a_model_without_a_plan_gets_the_one_its_data_flow_gives(ranks2, layout)
     assert max(result["logits"], result["loss"], result["grad"]) <= 1e-5, result
 
 
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"tp_size": 2, "sequence_parallel": True}], ids=["tp2", "tp2_sp"])
+def test_gpt2_conv1d_layers_shard_their_transposed_weights(ranks2, layout):
+    """GPT-2's ``Conv1D`` (weight stored (in, out)): its derived plan shards the MLP (``c_fc`` colwise: weight on dim
+    1, bias on dim 0; ``c_proj`` rowwise: weight on dim 0, bias replicated), the packed ``c_attn`` stays replicated,
+    and the model matches plain transformers, with sequence parallelism too."""
+    result = ranks2.run(hooks.gpt2_plan_parity, {"strategy": "fsdp2", **layout}, None)[0]
+    assert result["plan"] == {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+    assert result["placements"] == {
+        "transformer.h.0.mlp.c_fc.weight": "S(1)",
+        "transformer.h.0.mlp.c_fc.bias": "S(0)",
+        "transformer.h.0.mlp.c_proj.weight": "S(0)",
+        "transformer.h.0.mlp.c_proj.bias": "R",
+    }, result["placements"]
+    assert max(result["logits"], result["loss"], result["grad"]) <= 1e-5, result
+
+
+def test_a_conv1d_style_that_shards_another_way_is_refused_naming_it(ranks2):
+    plan = {"transformer.h.*.mlp.c_fc": "packed_colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+    messages = [
+        result["error"] for result in ranks2.run(hooks.gpt2_plan_parity, {"strategy": "fsdp2", "tp_size": 2}, plan)
+    ]
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("transformer.h.0.mlp.c_fc") and "is a Conv1D" in messages[0], messages[0]
+    assert "'colwise' or 'rowwise'" in messages[0]
+
+
 def test_a_planted_wrong_plan_is_refused_at_the_first_forward(ranks2):
     """A plan that shards the MLP's input projections but leaves ``down_proj`` replicated: the first forward refuses
     it naming ``down_proj``, instead of a shape error inside the MLP."""

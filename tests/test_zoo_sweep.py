@@ -5,7 +5,8 @@ without a mesh, FSDP2 on 4 ranks and TP=2.
 Each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that plain transformers can run small on CPU
 (``tests/causal_lm_zoo.py``) is saved with ``save_pretrained`` and loaded both ways. Every parameter and buffer must
 be exactly what plain transformers' ``from_pretrained`` gives (NaN-aware; a buffer a meta-device build left
-uninitialised shows here), and logits, loss and every gradient must match the plain model in fp32 within 1e-4. Under
+uninitialised shows here), and logits, loss and every gradient must match the plain model in fp32 within 1e-4
+(relative to a gradient's magnitude where that exceeds 1, see ``assert_parity``). Under
 TP a model class without a tensor-parallel plan may instead be refused with the ``ValueError`` saying so. One module fixture runs each layout's whole sweep in a few pool calls (many model types per
 call); the per-model tests then read their result, so every architecture passes or fails on its own.
 
@@ -37,9 +38,9 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "fsdp2_tp2": (4, {"strategy": "fsdp2", "tp_size": 2}),
 }
 #: Architectures whose class declares no TP plan, so TP uses the one derived from their module tree, spread over the
-#: families (BART and BERT decoders, fused-qkv and Conv-free GPTs, Falcon, hybrids): FSDP2 x TP=2 runs these.
+#: families (BART and BERT decoders, GPT-2's Conv1D, fused-qkv GPTs, Falcon, hybrids): FSDP2 x TP=2 runs these.
 DERIVED_SAMPLE = [
-    "bart", "bert-generation", "biogpt", "bloom", "ctrl", "electra", "falcon", "gpt_bigcode", "gpt_neo",
+    "bart", "bert-generation", "biogpt", "bloom", "ctrl", "electra", "falcon", "gpt2", "gpt_bigcode", "gpt_neo",
     "gpt_neox_japanese", "megatron-bert", "modernbert-decoder", "moshi", "mpt", "opt", "prophetnet",
     "recurrent_gemma", "stablelm", "xglm", "zamba",
 ]  # fmt: skip
@@ -49,8 +50,9 @@ SAMPLES = {"fsdp2_tp2": DERIVED_SAMPLE}
 CHUNK = 40
 SECONDS_PER_MODEL = 15.0
 NO_TP_PLAN = "has no tensor-parallel plan"
-#: Architectures TP=2 must run with parity: 178 measured on 2026-12-01 (127 before derived plans). Raise it as more pass.
-MIN_TP2_PARITY = 178
+#: Architectures TP=2 must run with parity: 182 measured on 2026-12-02 (127 before derived plans, 178 before Conv1D
+#: styles and the gradient tolerance relative to magnitude). Raise it as more pass.
+MIN_TP2_PARITY = 182
 
 
 def feasible_model_types() -> list[str]:
@@ -64,7 +66,7 @@ def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     if first["status"] != "ok":
         return first
     worst = max(per_rank, key=lambda result: result["grad"])
-    first.update({key: max(result[key] for result in per_rank) for key in ("logits", "loss", "grad")})
+    first.update({key: max(result[key] for result in per_rank) for key in ("logits", "loss", "grad", "grad_scaled")})
     first["worst_grad"] = worst["worst_grad"]
     first["nan"] = any(result["nan"] for result in per_rank)
     first["grad_presence"] = sorted({name for result in per_rank for name in result["grad_presence"]})
@@ -128,7 +130,7 @@ def _describe(result: dict[str, Any]) -> str:
         return f"failed in {result['step']}: {result['error']}\n  at {result['where']}"
     return (
         f"max abs differences: logits {result['logits']:.2e}, loss {result['loss']:.2e}, grad {result['grad']:.2e} "
-        f"(worst: {result['worst_grad']}); NaN: {result['nan']}; gradient presence differs: "
+        f"(worst: {result['worst_grad']}; relative to the gradient's magnitude: {result['grad_scaled']:.2e}); NaN: {result['nan']}; gradient presence differs: "
         f"{result['grad_presence']}; replicated gradients that differ between TP ranks: "
         f"{result['divergent_replicated_grads']}; tensors that differ from plain transformers' after loading: "
         f"{result['tensor_differences']}"
@@ -137,11 +139,15 @@ def _describe(result: dict[str, Any]) -> str:
 
 def assert_parity(result: dict[str, Any]) -> None:
     """Every tensor is the plain model's after loading; logits, loss and every gradient match it within
-    ``TOLERANCE``."""
+    ``TOLERANCE``: absolute, and for a gradient whose plain value exceeds 1 in magnitude, relative to that magnitude.
+
+    The relative part is fp32's own rounding: CPM-Ant (``init_std=1.0``) has a layer-norm gradient of 7.2, which
+    plain transformers computes 8.5e-4 away from its own fp64 value; TP=2 lands 1.6e-4 from plain fp32, 2.2e-5 of the
+    gradient."""
     assert result["status"] == "ok", _describe(result)
     assert not result["tensor_differences"], _describe(result)
     assert not result["nan"], _describe(result)
-    assert max(result["logits"], result["loss"], result["grad"]) <= TOLERANCE, _describe(result)
+    assert max(result["logits"], result["loss"], result["grad_scaled"]) <= TOLERANCE, _describe(result)
     assert not result["grad_presence"], _describe(result)
     assert result["same_class"], "the parallelized model is no longer an instance of its class"
 

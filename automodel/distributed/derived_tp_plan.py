@@ -16,9 +16,9 @@ data flow, not the values). In each decoder layer:
 Everything else stays replicated: mixers with linear layers in the middle (Mamba's ``x_proj``), routers, experts,
 cross-attention the causal forward never runs. A pair is kept only when it is safe to shard:
 
-- its members are ``nn.Linear`` (a GPT-2 ``Conv1D`` stores its weight transposed, which the shared styles do not
-  shard) and no member's output is split or sliced into parts (a fused ``c_attn`` / ``Wqkv`` packs q, k and v in one
-  weight, and contiguous slices of it would hand a rank all of q and none of v);
+- no member's output is split or sliced into parts (a fused ``c_attn`` / ``Wqkv`` packs q, k and v in one weight,
+  and contiguous slices of it would hand a rank all of q and none of v). Members are ``nn.Linear`` or GPT-2's
+  ``Conv1D`` (weight stored ``(in, out)``, which the styles shard on its other dimension);
 - the features divide ``tp_size``; when the pair computes attention (a matmul of two of its outputs), the config's
   head counts divide ``tp_size`` (else the attention stays replicated; a declared plan is refused instead);
 - a forward on meta with this pair's weights cut to one rank's local shapes runs and gives the same shapes (a model
@@ -46,6 +46,7 @@ from automodel._compat.torch import TorchDispatchMode, distribution_checks_off, 
 from automodel._compat.transformers import replace_layer_number_by_wildcard
 
 from .model_structure import attention_head_counts, decoder_layers, output_embeddings, tied_parameter_names
+from .tp_styles import is_conv1d
 
 __all__ = ["DERIVED_SOURCE", "derive_tp_plan"]
 
@@ -88,6 +89,7 @@ class _Trace(TorchDispatchMode):
         self.mixed: list[frozenset[str]] = []  # the sources of each matmul of two traced operands
         self.layer_outputs: dict[str, frozenset[str]] = {}  # decoder layer -> the sources of its hidden states
         self.output_shape: tuple[int, ...] = ()  # the logits' shape with whole weights
+        self.running: list[str] = []  # the modules whose forward is running, outermost first
 
     def tag_of(self, tree: Any) -> frozenset[str]:
         tensors = [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
@@ -185,13 +187,17 @@ def derive_tp_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
     name = type(model).__name__
     blocks = set(decoder_layers(twin))
     layers = {layer_name: layer for layer_name, layer in twin.named_modules() if layer in blocks}
+    trace = _Trace()
     try:
-        trace = _trace(twin, layers)
+        _trace(trace, twin, layers)
     except Exception as error:  # noqa: BLE001 - any failure of the meta forward makes the derivation impossible
+        where = (
+            f" in {trace.running[-1]} ({type(twin.get_submodule(trace.running[-1])).__name__})" if trace.running else ""
+        )
         raise _refusal(
             name,
-            f"its forward cannot be traced on the meta device ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:200]})",
+            f"its forward cannot be traced on the meta device: it fails{where} with {type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200]}",
         ) from error
     linears = {module_name: module for module_name, module in twin.named_modules() if _is_linear(module)}
     pairs, reasons, chained = _pairs(trace, layers, linears, tp_size)
@@ -230,7 +236,7 @@ def _refusal(name: str, why: str) -> ValueError:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _meta_twin(model: nn.Module) -> nn.Module:
@@ -258,10 +264,13 @@ def _meta_forward(model: nn.Module) -> Any:
         return model(input_ids=input_ids, use_cache=False)
 
 
-def _trace(twin: nn.Module, layers: dict[str, nn.Module]) -> _Trace:
-    trace = _Trace()
+def _trace(trace: _Trace, twin: nn.Module, layers: dict[str, nn.Module]) -> None:
+    _eager_experts(twin)
     handles = []
     for module_name, module in twin.named_modules():
+        if module_name:
+            handles.append(module.register_forward_pre_hook(_enter(trace, module_name)))
+            handles.append(module.register_forward_hook(_leave(trace)))
         if _is_linear(module):
             handles.append(module.register_forward_pre_hook(_record_input(trace, module_name), with_kwargs=True))
             handles.append(module.register_forward_hook(_tag_output(trace, module_name)))
@@ -269,7 +278,31 @@ def _trace(twin: nn.Module, layers: dict[str, nn.Module]) -> _Trace:
         handles.append(layer.register_forward_hook(_record_layer_output(trace, layer_name)))
     with _hooks(handles), trace:
         trace.output_shape = _output_shape(_meta_forward(twin))
-    return trace
+
+
+def _eager_experts(twin: nn.Module) -> None:
+    """Run routed experts as transformers' ``eager`` loop in the twin: the ``grouped_mm`` kernel refuses fp32 meta
+    operands, and the trace needs only the data flow (experts stay replicated by a derived plan)."""
+    seen: set[int] = set()
+    for module in twin.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "_experts_implementation"):
+            seen.add(id(config))
+            config._experts_implementation = "eager"
+
+
+def _enter(trace: _Trace, name: str):
+    def hook(module, args):
+        trace.running.append(name)
+
+    return hook
+
+
+def _leave(trace: _Trace):
+    def hook(module, args, output):
+        trace.running.pop()
+
+    return hook
 
 
 def _record_input(trace: _Trace, name: str):
@@ -362,16 +395,26 @@ def _unsafe(
             return f"{label}: {_wild(name)} reaches the layer's output around {_wild(exit_name)}"
         if name in trace.split:
             return f"{label}: {_wild(name)} packs several projections in one weight (its output is split)"
-    for name in (*group, exit_name):
-        module = linears[name]
-        if not isinstance(module, nn.Linear):
-            return f"{label}: {_wild(name)} is a {type(module).__name__}, whose transposed weight the TP styles do not shard"
     for name in group:
-        if linears[name].out_features % tp_size:
-            return (
-                f"{label}: {_wild(name)} has {linears[name].out_features} output features, not divisible by {tp_size}"
-            )
+        if (features := _features(linears[name])[1]) % tp_size:
+            return f"{label}: {_wild(name)} has {features} output features, not divisible by {tp_size}"
     return None
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """A linear layer's ``(in_features, out_features)``; a ``Conv1D`` calls them ``nx`` and ``nf``."""
+    if is_conv1d(module):
+        return module.nx, module.nf
+    return module.in_features, module.out_features
+
+
+def _set_local_weight(module: nn.Module, in_features: int, out_features: int) -> None:
+    """Give a linear layer (on meta) the weight shape of ``in_features`` by ``out_features``, in its own layout."""
+    if is_conv1d(module):
+        module.nx, module.nf = in_features, out_features  # its forward views the output to `nf` features
+        module.weight = nn.Parameter(torch.empty(in_features, out_features, device="meta"))
+    else:
+        module.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"))
 
 
 def _heads_not_divisible(model: nn.Module, tp_size: int) -> str | None:
@@ -388,15 +431,15 @@ def _fits_local_shapes(twin: nn.Module, pairs: list[_Pair], tp_size: int, expect
         for group, exit_name in pair.modules:
             for name in group:
                 module = trial.get_submodule(name)
-                module.weight = nn.Parameter(
-                    torch.empty(module.out_features // tp_size, module.in_features, device="meta")
-                )
+                in_features, out_features = _features(module)
+                _set_local_weight(module, in_features, out_features // tp_size)
                 if module.bias is not None:
-                    module.bias = nn.Parameter(torch.empty(module.out_features // tp_size, device="meta"))
+                    module.bias = nn.Parameter(torch.empty(out_features // tp_size, device="meta"))
             module = trial.get_submodule(exit_name)
-            if module.in_features % tp_size:
+            in_features, out_features = _features(module)
+            if in_features % tp_size:
                 return False
-            module.weight = nn.Parameter(torch.empty(module.out_features, module.in_features // tp_size, device="meta"))
+            _set_local_weight(module, in_features // tp_size, out_features)
     try:
         return _logits_shape(trial) == expected
     except Exception:  # noqa: BLE001 - any failure means these local shapes do not fit the model's forward

@@ -37,6 +37,7 @@ from .tp_styles import (
     SequenceParallelNorm,
     SequenceParallelRowwise,
     TensorParallelLayer,
+    for_module,
     install_module_style,
     owned_local,
     packed_fused_projections,
@@ -205,6 +206,10 @@ def apply_tensor_parallel(
     if sequence_parallel:
         styles = _sequence_parallel_styles(model, expanded, styles, tp_mesh)
     modules = dict(model.named_modules())
+    styles = {
+        name: for_module(modules[name if name in modules else name.rpartition(".")[0]], style, name)
+        for name, style in styles.items()
+    }
     parameters = dict(model.named_parameters(remove_duplicate=False))
     for name, style in styles.items():
         if name in parameters:

@@ -14,7 +14,9 @@ wrong (each found by the sweep over transformers' causal-LM mapping, ``tests/tes
 - TP outputs are handed back as tensors the model may update in place (``out.add_(...)``), not as the views
   ``DTensor.to_local`` returns, which autograd forbids modifying;
 - ``colwise`` on a fused ``*gate_up_proj`` (gate and up concatenated, read back with ``chunk(2)``) becomes
-  ``packed_colwise``, as every other transformers plan has it, so each rank holds matching gate and up columns.
+  ``packed_colwise``, as every other transformers plan has it, so each rank holds matching gate and up columns;
+- ``colwise`` and ``rowwise`` on a GPT-2 ``Conv1D`` (a linear layer whose weight is stored ``(in, out)``) shard the
+  weight's other dimension (:func:`for_module`); other sharding styles on it are refused.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ __all__ = [
     "SequenceParallelNorm",
     "SequenceParallelRowwise",
     "TensorParallelLayer",
+    "for_module",
     "install_module_style",
+    "is_conv1d",
     "packed_fused_projections",
     "shards_output",
     "style_named",
@@ -89,6 +93,31 @@ def packed_fused_projections(plan: dict[str, str]) -> dict[str, str]:
     if changed:
         logger.info("TP plan: %s shard fused gate/up projections, so they use 'packed_colwise', not 'colwise'", changed)
     return fixed
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """A GPT-2-style ``Conv1D``: ``addmm(bias, x, weight)`` with ``weight`` of shape ``(nx, nf)`` = (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def for_module(module: nn.Module, style: TensorParallelLayer, name: str) -> TensorParallelLayer:
+    """The form of ``style`` to use on ``module`` (a plan entry ``name`` resolves to it): a ``Conv1D`` takes the
+    transposed-weight form of colwise and rowwise; a style that shards another way is refused on it, naming it."""
+    if not is_conv1d(module):
+        return style
+    if isinstance(style, (Conv1DColwise, Conv1DRowwise)):
+        return style
+    if type(style) is ColwiseParallel and isinstance(style.output_layouts, Shard):
+        return Conv1DColwise(output_layouts=style.output_layouts, use_local_output=style.use_local_output)
+    if isinstance(style, RowwiseParallel) and type(style) in (RowwiseParallel, SequenceParallelRowwise):
+        return Conv1DRowwise(output_layouts=style.output_layouts, use_local_output=style.use_local_output)
+    if type(style).shard_param is TensorParallelLayer.shard_param:  # replicated styles leave the weight alone
+        return style
+    raise ValueError(
+        f"{name} is a Conv1D (weight stored (in, out)) and its TP plan style is {type(style).__name__}, which shards "
+        "a linear layer's (out, in) weight: use 'colwise' or 'rowwise' on it (both take the Conv1D form), or leave "
+        "it out of the plan (replicated)."
+    )
 
 
 def places_own_parameters(style: TensorParallelLayer) -> bool:
@@ -377,6 +406,50 @@ class ReplicatedLocalInput(TensorParallelLayer):
         if args and isinstance(args[0], DTensor):
             args = (args[0].to_local(grad_placements=[Replicate()]), *args[1:])
         return args, kwargs
+
+
+class Conv1DColwise(ColwiseParallel):
+    """``colwise`` on a ``Conv1D``: its weight ``(in, out)`` shards on dim 1, its bias on dim 0; the forward runs on
+    DTensors (``addmm`` of a replicated input and column shards gives this rank's output features)."""
+
+    def should_use_local_tensors(self, module: nn.Module) -> bool:
+        return False
+
+    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return TensorParallelLayer.install_forward(self, module, mesh)
+
+    def shard_param(self, module: nn.Module, param: str, mesh: DeviceMesh) -> None:
+        _shard_parameter(module, param, mesh, Shard(0) if param == "bias" else Shard(1))
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """``rowwise`` on a ``Conv1D``: its weight ``(in, out)`` shards on dim 0, its bias stays replicated; ``addmm``
+    of the input's feature shards and the weight's row shards is a partial sum that the output layout reduces, with
+    the bias added once."""
+
+    def should_use_local_tensors(self, module: nn.Module) -> bool:
+        return False
+
+    def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return TensorParallelLayer.install_forward(self, module, mesh)
+
+    def shard_param(self, module: nn.Module, param: str, mesh: DeviceMesh) -> None:
+        _shard_parameter(module, param, mesh, Replicate() if param == "bias" else Shard(0))
+
+    def transform_inputs_pre_forward(self, module: nn.Module, args: Any, kwargs: Any, mesh: DeviceMesh) -> Any:
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [self.input_layouts], run_check=False)
+        if x.placements != (Shard(x.ndim - 1),):
+            x = x.redistribute(placements=[Shard(x.ndim - 1)])
+        return (x, *args[1:]), kwargs
+
+
+def _shard_parameter(module: nn.Module, param: str, mesh: DeviceMesh, placement: Any) -> None:
+    meta = module._parameters.get(param)
+    if meta is not None:
+        sharded = distribute_tensor(meta, mesh, [placement], src_data_rank=None)
+        module._parameters[param] = nn.Parameter(sharded, requires_grad=meta.requires_grad)
 
 
 #: Styles of ours, by the names plans use (``adapters.LOCAL_INPUT_STYLE``).

@@ -111,6 +111,37 @@ def derived_plan_parity(layout: dict[str, Any]) -> dict[str, Any]:
     return {"plan": dict(model._tp_plan), **compare_with_reference(reference, model, context, token_batch())}
 
 
+def gpt2_plan_parity(layout: dict[str, Any], plan: dict[str, str] | None) -> dict[str, Any]:
+    """A tiny GPT-2 (``Conv1D`` layers, weights stored (in, out)) under ``plan`` (``None``: the one derived from its
+    module tree): the plan, the placements of its first block's MLP weights and parity with the plain model; or the
+    error ``parallelize`` raises."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.causal_lm_zoo import tiny_config
+
+    context = MeshContext.build(**layout)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(tiny_config("gpt2"), dtype=torch.float32)
+    model = copy.deepcopy(reference)
+    if plan is not None:
+        set_user_tp_plan(model, plan)
+    try:
+        model = ModelParallelizer().parallelize(model, context)
+    except ValueError as error:
+        return {"error": str(error)}
+    placements = {
+        name: str(param.placements[-1])
+        for name, param in model.named_parameters()
+        if name.startswith("transformer.h.0.mlp.")
+    }
+    batch = token_batch()
+    return {
+        "plan": dict(model._tp_plan),
+        "placements": placements,
+        **compare_with_reference(reference, model, context, batch),
+    }
+
+
 def wrong_plan_error(plan: dict[str, str], layout: dict[str, Any]) -> str:
     """The error the first training forward raises for a user's TP plan that leaves a consumer of sharded features
     replicated."""
