@@ -302,13 +302,18 @@ def _tiny_kwargs(model_type: str) -> dict[str, Any]:
     return _overrides_for(config_class, config_class())
 
 
-def tiny_config(model_type: str) -> PretrainedConfig:
+def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     """A tiny config of ``model_type`` (hidden 64, 2 layers, 4 heads / 2 KV heads, vocabulary 128, 4 experts top-2,
-    64 positions), with ``sdpa`` attention where the model class supports it, else ``eager``."""
+    64 positions), with ``sdpa`` attention where the model class supports it, else ``eager``; ``overrides`` are
+    config arguments (``num_hidden_layers=4``), given to the constructor so that derived fields follow."""
     config_class = CONFIG_MAPPING[model_type]
     model_class = _model_class(config_class)
     attn = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
-    config = config_class(**_tiny_kwargs(model_type))
+    kwargs = {**_tiny_kwargs(model_type), **overrides}
+    if "num_hidden_layers" in overrides and "layer_types" in kwargs and "layer_types" not in overrides:
+        pattern = kwargs["layer_types"]  # repeated over the new depth
+        kwargs["layer_types"] = [pattern[index % len(pattern)] for index in range(overrides["num_hidden_layers"])]
+    config = config_class(**kwargs)
     config._attn_implementation = attn
     return config
 

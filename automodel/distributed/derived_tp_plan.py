@@ -32,7 +32,6 @@ a replicated module that computes on a sharded activation gets its gradient summ
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,9 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel._compat.torch import TorchDispatchMode, distribution_checks_off, tree_leaves
+from automodel._compat.torch import TorchDispatchMode, tree_leaves
 from automodel._compat.transformers import replace_layer_number_by_wildcard
 
+from .meta_trace import FakeScalars, eager_experts, fake_data_dependent, meta_forward, meta_twin
 from .model_structure import attention_head_counts, decoder_layers, output_embeddings, tied_parameter_names
 from .tp_styles import is_conv1d
 
@@ -101,7 +101,7 @@ class _Trace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        faked = _fake_data_dependent(func, args)
+        faked = fake_data_dependent(func, args)
         if faked is not None:
             return faked
         out = func(*args, **kwargs)
@@ -146,34 +146,6 @@ def _dim_argument(func: Any, args: tuple, kwargs: dict) -> int | None:
     return None
 
 
-class _FakeScalars(TorchDispatchMode):
-    """Only the ``item()`` / ``nonzero`` answers of :class:`_Trace` (the local-shape trial)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        faked = _fake_data_dependent(func, args)
-        return func(*args, **(kwargs or {})) if faked is None else faked
-
-
-def _fake_data_dependent(func: Any, args: tuple) -> Any:
-    """``item()`` of a meta tensor answers 0 (False), ``nonzero`` nothing: values a meta tensor does not have."""
-    if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_meta:
-        return None
-    if func is _aten._local_scalar_dense.default:
-        dtype = args[0].dtype
-        return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
-    if func is _aten.nonzero.default:
-        return torch.empty((0, args[0].ndim), dtype=torch.long, device="meta")
-    if func is _aten.index.Tensor and any(_is_mask(index) for index in args[1]):
-        # A boolean mask selects no element (a meta tensor has no values): the same as indexing with no position.
-        nothing = torch.empty(0, dtype=torch.long, device="meta")
-        return func(args[0], [nothing if _is_mask(index) else index for index in args[1]])
-    return None
-
-
-def _is_mask(index: Any) -> bool:
-    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
-
-
 def _is_matmul(func: Any) -> bool:
     name = str(func)
     return "scaled_dot_product" in name or name.split(".")[1] in ("mm", "bmm", "baddbmm", "matmul", "addmm", "einsum")
@@ -183,7 +155,7 @@ def derive_tp_plan(model: nn.Module, tp_size: int) -> dict[str, str]:
     """The TP plan this module's docstring describes, for ``model`` (on meta or materialised: it is traced on a meta
     twin, never run) and ``tp_size`` ranks. Raises ``ValueError`` naming the class and why when nothing can be
     sharded safely."""
-    twin = _meta_twin(model)
+    twin = meta_twin(model)
     name = type(model).__name__
     blocks = set(decoder_layers(twin))
     layers = {layer_name: layer for layer_name, layer in twin.named_modules() if layer in blocks}
@@ -239,15 +211,6 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-def _meta_twin(model: nn.Module) -> nn.Module:
-    """A deep copy whose parameters and buffers are meta tensors of the same shapes (no memory, no data copied)."""
-    memo: dict[int, Any] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        empty = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-    return copy.deepcopy(model, memo)
-
-
 @contextmanager
 def _hooks(handles: list[Any]) -> Iterator[None]:
     try:
@@ -257,15 +220,8 @@ def _hooks(handles: list[Any]) -> Iterator[None]:
             handle.remove()
 
 
-def _meta_forward(model: nn.Module) -> Any:
-    input_ids = torch.zeros(1, _SEQUENCE_LENGTH, dtype=torch.long, device="meta")
-    # Distributions check their arguments' values (BLT's patcher samples one), which meta tensors do not have.
-    with torch.no_grad(), distribution_checks_off():
-        return model(input_ids=input_ids, use_cache=False)
-
-
 def _trace(trace: _Trace, twin: nn.Module, layers: dict[str, nn.Module]) -> None:
-    _eager_experts(twin)
+    eager_experts(twin)
     handles = []
     for module_name, module in twin.named_modules():
         if module_name:
@@ -277,18 +233,7 @@ def _trace(trace: _Trace, twin: nn.Module, layers: dict[str, nn.Module]) -> None
     for layer_name, layer in layers.items():
         handles.append(layer.register_forward_hook(_record_layer_output(trace, layer_name)))
     with _hooks(handles), trace:
-        trace.output_shape = _output_shape(_meta_forward(twin))
-
-
-def _eager_experts(twin: nn.Module) -> None:
-    """Run routed experts as transformers' ``eager`` loop in the twin: the ``grouped_mm`` kernel refuses fp32 meta
-    operands, and the trace needs only the data flow (experts stay replicated by a derived plan)."""
-    seen: set[int] = set()
-    for module in twin.modules():
-        config = getattr(module, "config", None)
-        if config is not None and id(config) not in seen and hasattr(config, "_experts_implementation"):
-            seen.add(id(config))
-            config._experts_implementation = "eager"
+        trace.output_shape = _output_shape(meta_forward(twin, _SEQUENCE_LENGTH))
 
 
 def _enter(trace: _Trace, name: str):
@@ -426,7 +371,7 @@ def _heads_not_divisible(model: nn.Module, tp_size: int) -> str | None:
 
 def _fits_local_shapes(twin: nn.Module, pairs: list[_Pair], tp_size: int, expected: tuple[int, ...]) -> bool:
     """Whether the forward runs, with the ``expected`` output shape, when ``pairs`` hold one rank's local shapes."""
-    trial = _meta_twin(twin)
+    trial = meta_twin(twin)
     for pair in pairs:
         for group, exit_name in pair.modules:
             for name in group:
@@ -447,8 +392,8 @@ def _fits_local_shapes(twin: nn.Module, pairs: list[_Pair], tp_size: int, expect
 
 
 def _logits_shape(model: nn.Module) -> tuple[int, ...]:
-    with _FakeScalars():
-        return _output_shape(_meta_forward(model))
+    with FakeScalars():
+        return _output_shape(meta_forward(model, _SEQUENCE_LENGTH))
 
 
 def _output_shape(output: Any) -> tuple[int, ...]:

@@ -4,7 +4,8 @@ for parameters that live on several meshes.
 Under TP, FSDP2 and HSDP every parameter of a model is a DTensor on one mesh, and torch's own function works. Under
 EP (experts on the ``ep_shard`` / ``ep`` meshes, dense weights on ``dp_shard_cp``) the gradients live on different
 meshes, where one foreach norm cannot mix them. Here each group of gradients with the same mesh and placements is
-reduced with DTensor's own norm (which reduces over the shards), and the groups' norms are combined.
+reduced with DTensor's own norm (which reduces over the shards), and the groups' norms are combined. Under pipeline
+parallelism each rank's norm is then combined over the ``pp`` group (a tied head counted once).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .runtime import full_tensor
+from .pipelined_model import pipeline_norm_group
+from .runtime import collective_device, full_tensor
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
@@ -24,6 +27,25 @@ def total_grad_norm(parameters: Iterable[nn.Parameter] | torch.Tensor, norm_type
     """The global ``norm_type``-norm of all gradients (those that exist), as one plain float32 tensor, the same on
     every rank. Collective when gradients are sharded: every rank must call it."""
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    pipeline = [pipeline_norm_group(param) for param in parameters]
+    pp_groups = {entry[0] for entry in pipeline if entry is not None}
+    # A tied head on the last stage is the same weight as the first stage's embedding: its gradient counts once.
+    parameters = [param for param, entry in zip(parameters, pipeline, strict=True) if entry is None or entry[1]]
+    local = _local_grad_norm(parameters, norm_type)
+    if not pp_groups:
+        return local
+    # Each pipeline rank holds other layers: combine their norms over the ``pp`` group.
+    (group,) = pp_groups
+    combined = local.to(collective_device())
+    if norm_type == float("inf"):
+        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=group)
+        return combined.cpu()
+    combined = combined**norm_type
+    dist.all_reduce(combined, group=group)
+    return (combined ** (1.0 / norm_type)).cpu()
+
+
+def _local_grad_norm(parameters: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for param in parameters:
         if param.grad is None:

@@ -1,6 +1,8 @@
 """``MeshContext``: the resolved device meshes plus every policy ``ModelParallelizer.parallelize`` reads.
 
-The dense mesh has the canonical axes ``("dp_replicate", "dp_shard", "cp", "tp")`` and the flattened axes ``dp``
+With ``pp_size > 1`` the ranks are first split into ``pp_size`` pipeline stage groups (``pp``, the outermost axis);
+the context's meshes are then those of this rank's stage group, and ``MeshContext.pipeline`` holds the ``pp`` mesh
+and the schedule (:mod:`pipeline_layout`). The dense mesh has the canonical axes ``("dp_replicate", "dp_shard", "cp", "tp")`` and the flattened axes ``dp``
 (``dp_replicate x dp_shard``: ranks that see different batches), ``dp_shard_cp`` (what FSDP shards over) and
 ``dp_cp`` (what gradients are reduced over). With ``ep_size > 1`` a second mesh ``("ep_shard", "ep")`` over the same
 ranks holds the routed experts.
@@ -23,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from automodel._compat.torch import default_process_group, flatten_mesh
 
 from .config import DDPConfig, MegatronFSDPConfig, MoEConfig, StrategyConfig, strategy_from_name
+from .pipeline_layout import PipelineLayout, check_pipeline
 from .runtime import collective_device
 
 __all__ = [
@@ -180,21 +183,30 @@ def check_layout(
 
 # Every mesh axis is a process group with its own transport threads; building the same layout again (a new
 # MeshContext for another model, a notebook cell run twice) reuses the groups instead of piling up new ones.
-_MESHES: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None]] = {}
+_MESHES: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None, DeviceMesh | None]] = {}
 
 
 def _meshes(
-    device_type: str, shape: tuple[int, int, int, int], ep_size: int
-) -> tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None]:
+    device_type: str, shape: tuple[int, int, int, int], ep_size: int, pp_size: int = 1
+) -> tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None, DeviceMesh | None]:
+    """The dense mesh, its flattened axes, the MoE mesh and the ``pp`` mesh. Under PP the dense mesh has the ``pp``
+    axis first (``("pp", *DENSE_AXES)``): slicing a dense or flattened axis out of it gives this rank's stage group's
+    mesh of that axis, and the flattened axes are registered on it (as the hook signature needs: a root mesh and
+    axis names)."""
     # The group object itself (not its id) is in the key: a destroyed and re-created default group gets new meshes.
-    key = (default_process_group(), device_type, shape, ep_size)
+    key = (default_process_group(), device_type, shape, ep_size, pp_size)
     if key not in _MESHES:
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=DENSE_AXES)
+        pp_mesh = None
+        if pp_size > 1:
+            mesh = init_device_mesh(device_type, (pp_size, *shape), mesh_dim_names=("pp", *DENSE_AXES))
+            pp_mesh = mesh["pp"]
+        else:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=DENSE_AXES)
         moe_mesh = None
-        if ep_size > 1:
+        if ep_size > 1:  # without PP (check_pipeline refuses EP with it)
             world_size = mesh.size()
             moe_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=MOE_AXES)
-        _MESHES[key] = (mesh, _flatten_dense_axes(mesh), moe_mesh)
+        _MESHES[key] = (mesh, _flatten_dense_axes(mesh), moe_mesh, pp_mesh)
     return _MESHES[key]
 
 
@@ -230,6 +242,7 @@ class MeshContext:
     reapply_trainability: Callable[[nn.Module], None] | None = None
     compile: bool = False
     flattened: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    pipeline: PipelineLayout | None = None
 
     @classmethod
     def build(
@@ -245,23 +258,42 @@ class MeshContext:
         moe: MoEConfig | None = None,
         reapply_trainability: Callable[[nn.Module], None] | None = None,
         compile: bool = False,
+        pp_size: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int | None = None,
+        pp_virtual_stages: int = 1,
     ) -> MeshContext:
         """Resolve a layout over all ranks of the default process group (started from torchrun's env if needed).
 
-        ``dp_shard`` is inferred as ``world_size / (dp_replicate_size * cp_size * tp_size)``. Every impossible
-        request raises here, identically on every rank, before any collective runs.
+        ``dp_shard`` is inferred as ``world_size / (pp_size * dp_replicate_size * cp_size * tp_size)``. With
+        ``pp_size > 1`` the model is split into pipeline stages (``pp`` is the outermost axis: ``pp_size`` groups of
+        consecutive ranks, each running its stages with the other axes), run by ``pp_schedule`` (``gpipe``, ``1f1b``,
+        ``interleaved_1f1b`` with ``pp_virtual_stages >= 2`` stages per rank) over ``pp_microbatches`` microbatches
+        per step (default ``pp_size``). Every impossible request raises here, identically on every rank, before any
+        collective runs.
         """
         strategy = strategy_from_name(strategy)
         mode = _normalize_activation_checkpointing(activation_checkpointing)
+        _check_positive(pp_size=pp_size)
+        microbatches = 1
+        if pp_size > 1:
+            microbatches = check_pipeline(
+                strategy, pp_size, pp_schedule, pp_microbatches, pp_virtual_stages, ep_size=ep_size
+            )
         _ensure_process_group()
         _register_gloo_exit_grace()
         world_size = dist.get_world_size()
+        if world_size % pp_size:
+            raise ValueError(f"pp_size={pp_size} does not divide the world size {world_size}.")
         dp_shard = _validate_layout(
-            strategy, world_size, dp_replicate_size, tp_size, cp_size, ep_size, sequence_parallel
+            strategy, world_size // pp_size, dp_replicate_size, tp_size, cp_size, ep_size, sequence_parallel
         )
-        mesh, flattened, moe_mesh = _meshes(
-            collective_device().type, (dp_replicate_size, dp_shard, cp_size, tp_size), ep_size
+        mesh, flattened, moe_mesh, pp_mesh = _meshes(
+            collective_device().type, (dp_replicate_size, dp_shard, cp_size, tp_size), ep_size, pp_size
         )
+        pipeline = None
+        if pp_mesh is not None:
+            pipeline = PipelineLayout(pp_mesh, pp_schedule, microbatches, pp_virtual_stages)
         return cls(
             device_mesh=mesh,
             strategy=strategy,
@@ -272,6 +304,7 @@ class MeshContext:
             reapply_trainability=reapply_trainability,
             compile=_check_flag("compile", compile),
             flattened=flattened,
+            pipeline=pipeline,
         )
 
     @classmethod
@@ -353,8 +386,13 @@ class MeshContext:
 
     @property
     def world_size(self) -> int:
-        """All ranks of the dense mesh."""
-        return self.device_mesh.size()
+        """All ranks of the dense mesh (of one pipeline stage group under PP)."""
+        return self.device_mesh.size() // self.pp_size
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline-parallel ranks (1 without PP)."""
+        return self.pipeline.size if self.pipeline is not None else 1
 
     @property
     def dp_replicate_size(self) -> int:

@@ -202,6 +202,9 @@ def apply_tensor_parallel(
     """
     tied = tied_parameter_names(model)
     expanded = expand_plan(model, adapter_placements(model, expand_plan(model, plan), sequence_parallel))
+    # A pipeline stage holds parameter-free stand-ins for the modules other stages run (``lm_head`` before the last).
+    stand_ins = {name for name, module in model.named_modules() if getattr(module, "absent_from_stage", False)}
+    expanded = {name: style for name, style in expanded.items() if name not in stand_ins}
     styles = {name: style_named(style) for name, style in expanded.items()}
     if sequence_parallel:
         styles = _sequence_parallel_styles(model, expanded, styles, tp_mesh)

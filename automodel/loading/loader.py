@@ -121,12 +121,14 @@ def load_checkpoint(
     progress: bool = True,
     seed: int = 0,
     allocated: set[str] | None = None,
+    close: bool = True,
 ) -> LoadReport:
     """Fill ``model`` (parallelized and materialized) from a checked ``plan``: each rank reads only the slices of
     its own shards. Every tensor of ``allocated`` (default: all of them, as after a meta-device build) that the
     checkpoint does not fill gets the model's own init: missing keys (those the model says to ignore included),
     non-persistent buffers, persistent buffers a checkpoint leaves out. One that no init writes either is an
-    ``UninitializedTensorError`` on every rank: never uninitialised memory in a model."""
+    ``UninitializedTensorError`` on every rank: never uninitialised memory in a model. ``close=False`` leaves the
+    checkpoint's files open for another model read from the same plan (the next pipeline stage of this rank)."""
     start = time.perf_counter()
     report = LoadReport()
     error = None
@@ -135,7 +137,8 @@ def load_checkpoint(
     except (CheckpointError, RuntimeError, OSError) as exc:
         error = exc
     finally:
-        plan.files.close()
+        if close:
+            plan.files.close()
     agree_or_raise(error, f"Reading the weights from {plan.directory}")
     report.initialized = sorted(plan.keys.missing)
     if allocated is None:

@@ -12,7 +12,6 @@ collective, so a failure is raised everywhere with its own exception class inste
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +26,12 @@ from automodel.distributed.parallelizer import parallelizer_for
 from automodel.distributed.runtime import device_of
 
 from .agreement import agree_or_raise
-from .initialization import initialize_missing, non_persistent_buffer_names
+from .fill import fill_from_weights, initialize_all
+from .initialization import non_persistent_buffer_names
 from .loader import CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
+from .pipeline_stages import load_pipeline_stages
 from .quantized import QuantizationScheme
-from .sharded_loader import LoadReport, load_into, peak_rss_bytes, state_tensors
-from .sources import InMemoryTensor
+from .sharded_loader import LoadReport
 
 __all__ = ["Loaded", "build_on_every_rank", "load_parallelized", "transformers_model"]
 
@@ -96,6 +96,8 @@ def load_parallelized(
         )
     if prepare is not None:
         prepare(model, plan)
+    if mesh_context is not None and mesh_context.pipeline is not None:
+        return load_pipeline_stages(model, mesh_context, plan, weights, init_seed, progress)
     if mesh_context is not None:
         model = parallelizer_for(model).parallelize(model, mesh_context)
     allocated = materialize(model, device_of(mesh_context))
@@ -107,28 +109,11 @@ def load_parallelized(
     if plan is not None:
         report = load_checkpoint(inner, plan, progress=progress, allocated=allocated)
     elif weights is not None:
-        report = _fill_from_weights(inner, weights)
+        report = fill_from_weights(inner, weights)
     else:
-        report = _initialize_all(inner, init_seed, non_persistent_buffer_names(inner) & allocated)
+        report = initialize_all(inner, init_seed, non_persistent_buffer_names(inner) & allocated)
     install_loaded_weights(model)
     return Loaded(model, report)
-
-
-def _fill_from_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> LoadReport:
-    sources = {name: InMemoryTensor(weights[name].detach()) for name, _ in state_tensors(model) if name in weights}
-    loaded = load_into(model, sources, progress=False)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in weights and name not in sources:
-                buffer.copy_(weights[name])
-    return LoadReport(loaded=loaded)
-
-
-def _initialize_all(model: nn.Module, seed: int, recompute: set[str]) -> LoadReport:
-    names = {name for name, _ in state_tensors(model)} | recompute
-    start = time.perf_counter()
-    initialize_missing(model, names, seed=seed)
-    return LoadReport(initialized=sorted(names), seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes())
 
 
 def transformers_model(model: nn.Module) -> nn.Module:

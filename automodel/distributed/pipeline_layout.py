@@ -1,0 +1,96 @@
+"""The pipeline-parallel part of a layout: the ``pp`` axis (outermost), the schedule, microbatches and virtual stages.
+
+``MeshContext.build(pp_size=P, ...)`` checks it with :func:`check_pipeline` and keeps it as
+``MeshContext.pipeline``; the dense axes of the context are then those of this rank's stage (``world_size / P``
+ranks), so that every stage goes through the same ``parallelize(stage, context)`` as a model without PP. torch's
+``torch.distributed.pipelining`` runs the schedules (:mod:`automodel.distributed.pipelined_model`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from .config import DDPConfig, MegatronFSDPConfig, StrategyConfig
+
+__all__ = ["PIPELINE_SCHEDULES", "PipelineLayout", "check_pipeline"]
+
+#: Schedule names and whether each runs several (virtual) stages per rank.
+PIPELINE_SCHEDULES: dict[str, bool] = {"gpipe": False, "1f1b": False, "interleaved_1f1b": True}
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """This rank's place in the pipeline: the 1-D ``pp`` mesh through it (one rank of each stage group), the
+    schedule, the microbatches per step and the stages per rank (``virtual_stages``; rank ``r`` holds stages
+    ``r, r + P, r + 2P ...``)."""
+
+    mesh: DeviceMesh
+    schedule: str
+    microbatches: int
+    virtual_stages: int = 1
+
+    @property
+    def size(self) -> int:
+        """Pipeline ranks (``pp_size``)."""
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        """This rank's coordinate on the ``pp`` axis."""
+        return self.mesh.get_local_rank()
+
+    @property
+    def num_stages(self) -> int:
+        """All stages of the model: ``pp_size * virtual_stages``."""
+        return self.size * self.virtual_stages
+
+    @property
+    def local_stages(self) -> list[int]:
+        """The stage indices this rank runs, in order."""
+        return [self.rank + k * self.size for k in range(self.virtual_stages)]
+
+
+def check_pipeline(
+    strategy: StrategyConfig,
+    pp_size: int,
+    schedule: str,
+    microbatches: int | None,
+    virtual_stages: int,
+    *,
+    ep_size: int = 1,
+) -> int:
+    """Raise, naming the option and the fix, for a pipeline layout that cannot run; return the microbatch count
+    (``pp_size`` when not given). The same checks on every rank, before any process group or model is touched."""
+    if isinstance(strategy, DDPConfig | MegatronFSDPConfig):
+        raise ValueError(
+            f"pp_size={pp_size} with strategy={strategy.name!r} is not supported: pipeline stages are parallelized with "
+            "strategy='fsdp2' (FSDP2, TP, CP within each stage). Use strategy='fsdp2'."
+        )
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pp_schedule={schedule!r} is not a schedule: use one of {sorted(PIPELINE_SCHEDULES)}.")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"pp_virtual_stages must be a positive integer, got {virtual_stages!r}.")
+    if PIPELINE_SCHEDULES[schedule] and virtual_stages < 2:
+        raise ValueError(
+            f"pp_schedule={schedule!r} runs several stages per rank: set pp_virtual_stages >= 2 (got {virtual_stages})."
+        )
+    if not PIPELINE_SCHEDULES[schedule] and virtual_stages != 1:
+        raise ValueError(
+            f"pp_schedule={schedule!r} runs one stage per rank, so pp_virtual_stages={virtual_stages} cannot apply: use "
+            "pp_schedule='interleaved_1f1b' for virtual stages, or pp_virtual_stages=1."
+        )
+    if ep_size > 1:
+        raise ValueError(
+            f"pp_size={pp_size} with ep_size={ep_size} is not supported yet: expert parallelism runs without pipeline "
+            "stages. Use pp_size=1, or ep_size=1."
+        )
+    microbatches = pp_size if microbatches is None else microbatches
+    if not isinstance(microbatches, int) or microbatches < pp_size:
+        raise ValueError(
+            f"pp_microbatches={microbatches!r} is fewer than the {pp_size} pipeline stages' ranks: a schedule needs at "
+            f"least one microbatch per rank in flight (and idles (P-1)/(M+P-1) of the time). Use pp_microbatches >= "
+            f"{pp_size}, e.g. {2 * pp_size}."
+        )
+    return microbatches

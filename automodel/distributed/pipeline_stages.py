@@ -1,0 +1,293 @@
+"""Split a causal LM built on meta into pipeline stages, keeping transformers' forward and parameter names.
+
+Each stage is a copy of the whole model (on meta: no memory) in which what other stages run is replaced by
+parameter-free stand-ins: the decoder layers of other stages, the input modules (embeddings) on every stage but the
+first, the output modules (final norm, head) on every stage but the last. A stage therefore runs the model's own
+``forward``: masks, rotary positions and whatever else the model computes before its layers are computed on every
+stage, from the same inputs, exactly as without PP; the stage's first layer then takes the activation the previous
+stage sent instead of what arrived (:class:`StageForward`), and a stage that is not the last hands on its last
+layer's output. Parameter and buffer names stay transformers' (``model.layers.5.mlp.up_proj.weight`` on the stage
+holding layer 5), so checkpoints load and save with no renaming.
+
+Which modules are inputs and outputs comes from the order in which one forward on meta calls them
+(:func:`pipeline_roles`), not from names: a module holding parameters that runs before the first decoder layer is an
+input, one that runs after the last is an output. A model with parameters used between its decoder layers (a block
+shared by several layers), or whose layers do not run once each in order, is refused, naming the module.
+
+Layers are balanced over the stages (:func:`stage_layer_counts`): each stage gets at least one, and the first and
+the last stage count their input and output modules as one layer each.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .meta_trace import FakeScalars, eager_experts, meta_forward, meta_twin
+from .model_structure import decoder_layers, encoder_tower_blocks
+
+__all__ = ["PipelineRoles", "StageForward", "build_stage", "pipeline_roles", "stage_layer_counts"]
+
+_TRACE_LENGTH = 8
+
+
+@dataclass(frozen=True)
+class PipelineRoles:
+    """Where a model's parts go: its decoder layers (names, in order, in one ``ModuleList``), the modules with
+    parameters that run before them (inputs, first stage) and after them (outputs, last stage), the modules the
+    causal forward never runs (first stage), and whether a decoder layer returns a tuple (``(hidden_states, ...)``)
+    or the hidden states alone."""
+
+    layers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    unused: tuple[str, ...]
+    layer_output_length: int | None  # None: a tensor; n: a tuple of n
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def pipeline_roles(model: nn.Module) -> PipelineRoles:
+    """The roles of ``model``'s modules (built on meta or not; a meta twin is run, never the model). Raises
+    ``ValueError`` naming the module for a model that pipeline stages cannot split."""
+    name = type(model).__name__
+    encoder = {id(block) for block in encoder_tower_blocks(model)}
+    blocks = [block for block in decoder_layers(model) if id(block) not in encoder]
+    module_names = {module: module_name for module_name, module in model.named_modules()}
+    layers = [module_names[block] for block in blocks]
+    parents = {layer.rpartition(".")[0] for layer in layers}
+    if len(parents) != 1 or not isinstance(model.get_submodule(next(iter(parents))), nn.ModuleList):
+        raise ValueError(
+            f"{name} cannot be split into pipeline stages: its decoder layers are not the members of one ModuleList "
+            f"({sorted(parents)[:4]}). Use pp_size=1."
+        )
+    twin = meta_twin(model)
+    eager_experts(twin)
+    calls: list[tuple[str, str]] = []  # ("enter" | "leave", module name), in call order
+    outputs: dict[str, Any] = {}
+    handles = []
+    for module_name, module in twin.named_modules():
+        if module_name:
+            handles.append(module.register_forward_pre_hook(_record(calls, "enter", module_name)))
+            handles.append(module.register_forward_hook(_record(calls, "leave", module_name, outputs)))
+    try:
+        with FakeScalars():
+            meta_forward(twin, _TRACE_LENGTH)
+    except Exception as error:  # noqa: BLE001 - any failure of the meta forward makes the split impossible
+        raise ValueError(
+            f"{name} cannot be split into pipeline stages: its forward does not run on the meta device "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]}). Use pp_size=1."
+        ) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    entered = [module_name for kind, module_name in calls if kind == "enter"]
+    layer_calls = [module_name for module_name in entered if module_name in set(layers)]
+    if layer_calls != layers:
+        raise ValueError(
+            f"{name} cannot be split into pipeline stages: its decoder layers do not run once each in order "
+            f"(ran {layer_calls[:6]}...). Use pp_size=1."
+        )
+    first = calls.index(("enter", layers[0]))
+    last = calls.index(("leave", layers[-1]))
+    inside = tuple(f"{layer}." for layer in layers)
+    inputs, outs, unused = [], [], []
+    for module_name, module in model.named_modules():
+        if not module_name or module_name in layers or module_name.startswith(inside):
+            continue
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        times = [index for index, (_, called) in enumerate(calls) if called == module_name]
+        if not times:
+            unused.append(module_name)
+        elif times[-1] < first:
+            inputs.append(module_name)
+        elif times[0] > last:
+            outs.append(module_name)
+        else:
+            raise ValueError(
+                f"{name} cannot be split into pipeline stages: {module_name} ({type(module).__name__}) holds "
+                "parameters and runs between or around its decoder layers, so no one stage can own it. Use pp_size=1."
+            )
+    sample = outputs[layers[0]]
+    length = len(sample) if isinstance(sample, tuple) else None
+    if length is None and not isinstance(sample, torch.Tensor):
+        raise ValueError(
+            f"{name} cannot be split into pipeline stages: its decoder layer {layers[0]} returns a "
+            f"{type(sample).__name__}, not the hidden states or a tuple starting with them. Use pp_size=1."
+        )
+    return PipelineRoles(tuple(layers), _outermost(inputs), _outermost(outs), _outermost(unused), length)
+
+
+def _record(calls: list, kind: str, module_name: str, outputs: dict | None = None):
+    if kind == "enter":
+
+        def enter(module, args):
+            calls.append((kind, module_name))
+
+        return enter
+
+    def leave(module, args, output):
+        calls.append((kind, module_name))
+        outputs.setdefault(module_name, output)
+
+    return leave
+
+
+def _outermost(names: list[str]) -> tuple[str, ...]:
+    """The names not inside another of them (a module and its submodules move together)."""
+    return tuple(name for name in names if not any(name.startswith(f"{other}.") for other in names if other != name))
+
+
+def stage_layer_counts(num_layers: int, num_stages: int, *, input_weight: float = 1.0, output_weight: float = 1.0):
+    """Decoder layers per stage: contiguous, at least one each, the largest stage cost as small as it can be (a
+    layer costs 1; the first stage adds ``input_weight``, the last ``output_weight``); of equally good splits, the
+    one with the most layers early. Raises ``ValueError`` when there are fewer layers than stages."""
+    if num_layers < num_stages:
+        raise ValueError(
+            f"The model has {num_layers} decoder layers and the pipeline {num_stages} stages (pp_size x "
+            "pp_virtual_stages): every stage needs at least one layer. Use fewer stages."
+        )
+
+    def cost(stage: int, layers: int) -> float:
+        extra = (input_weight if stage == 0 else 0.0) + (output_weight if stage == num_stages - 1 else 0.0)
+        return layers + extra
+
+    # best[s][n]: the smallest largest cost of splitting the first n layers into s + 1 stages.
+    best = [[float("inf")] * (num_layers + 1) for _ in range(num_stages)]
+    for n in range(1, num_layers + 1):
+        best[0][n] = cost(0, n)
+    for stage in range(1, num_stages):
+        for n in range(stage + 1, num_layers + 1):
+            best[stage][n] = min(max(best[stage - 1][n - k], cost(stage, k)) for k in range(1, n - stage + 1))
+    counts: list[int] = []
+    remaining = num_layers
+    for stage in range(num_stages - 1, 0, -1):
+        # The fewest layers for this (later) stage that keeps the optimum: the most layers stay early.
+        target = best[stage][remaining]
+        k = next(
+            k for k in range(1, remaining - stage + 1) if max(best[stage - 1][remaining - k], cost(stage, k)) <= target
+        )
+        counts.append(k)
+        remaining -= k
+    counts.append(remaining)
+    return list(reversed(counts))
+
+
+class _SkippedLayer(nn.Module):
+    """A decoder layer another stage runs: hands its hidden states on (in the layer's own output structure)."""
+
+    absent_from_stage = True  # a TP plan's rule naming it is skipped
+
+    def __init__(self, output_length: int | None) -> None:
+        super().__init__()
+        self.output_length = output_length
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.output_length is None:
+            return hidden_states
+        return (hidden_states,) + (None,) * (self.output_length - 1)
+
+
+class _AbsentEmbedding(nn.Module):
+    """An embedding another stage holds: zeros of its output shape (the stage's first layer takes the activation
+    the previous stage sent instead)."""
+
+    absent_from_stage = True  # a TP plan's rule naming it is skipped
+
+    def __init__(self, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embedding_dim, self.dtype = embedding_dim, dtype
+
+    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return input_ids.new_zeros((*input_ids.shape, self.embedding_dim), dtype=self.dtype)
+
+
+class _AbsentModule(nn.Module):
+    """A module another stage holds: passes its first input through."""
+
+    absent_from_stage = True  # a TP plan's rule naming it is skipped
+
+    def forward(self, value: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return value
+
+
+def _stand_in(module: nn.Module) -> nn.Module:
+    if isinstance(module, nn.Embedding):
+        return _AbsentEmbedding(module.embedding_dim, module.weight.dtype)
+    return _AbsentModule()
+
+
+def build_stage(model: nn.Module, roles: PipelineRoles, layers: range, *, first: bool, last: bool) -> nn.Module:
+    """A copy of ``model`` (on meta) that holds only decoder ``layers`` (indices into ``roles.layers``), the inputs
+    when ``first`` and the outputs when ``last``; its ``forward`` is :class:`StageForward`."""
+    stage = copy.deepcopy(model)
+    replace: dict[str, nn.Module] = {}
+    for index, layer in enumerate(roles.layers):
+        if index not in layers:
+            replace[layer] = _SkippedLayer(roles.layer_output_length)
+    if not first:
+        replace |= {name: _stand_in(stage.get_submodule(name)) for name in (*roles.inputs, *roles.unused)}
+    if not last:
+        replace |= {name: _AbsentModule() for name in roles.outputs}
+    for name, stand_in in replace.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = stage.get_submodule(parent_name)
+        if isinstance(parent, nn.ModuleList):
+            parent[int(child)] = stand_in
+        else:
+            setattr(parent, child, stand_in)
+    own = [stage.get_submodule(roles.layers[index]) for index in layers]
+    stage.forward = StageForward(stage, own[0], own[-1], first=first, last=last)
+    stage._automodel_pipeline_stage = (layers.start, layers.stop)
+    return stage
+
+
+class StageForward:
+    """The ``forward`` of a stage: the model's own forward (``type(model).forward``) on ``input_ids`` (first stage)
+    or on the received activation as ``inputs_embeds`` (so that masks and positions get its shape), with the first
+    own layer's hidden states replaced by the received activation; it returns the logits (last stage) or the last
+    own layer's output."""
+
+    def __init__(self, model: nn.Module, first_layer: nn.Module, last_layer: nn.Module, *, first: bool, last: bool):
+        self.model_forward = type(model).forward
+        self.model = model  # the stage itself: a reference cycle the garbage collector handles
+        self.first, self.last = first, last
+        self.received: torch.Tensor | None = None
+        self.sent: torch.Tensor | None = None
+        if not first:
+            first_layer.register_forward_pre_hook(self._take_received, with_kwargs=True, prepend=True)
+        if not last:
+            last_layer.register_forward_hook(self._keep_output)
+
+    def __call__(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        kwargs = {"use_cache": False, **kwargs}
+        if self.first:
+            kwargs["input_ids"] = inputs
+        else:
+            self.received = inputs
+            kwargs["inputs_embeds"] = inputs
+        try:
+            output = self.model_forward(self.model, **kwargs)
+        finally:
+            self.received = None
+        if self.last:
+            return output.logits
+        sent, self.sent = self.sent, None
+        return sent
+
+    def _take_received(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.received is None:
+            return None
+        if args:
+            return (self.received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.received}
+
+    def _keep_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.sent = output[0] if isinstance(output, tuple) else output

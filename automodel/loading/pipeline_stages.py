@@ -1,0 +1,133 @@
+"""Loading a model under pipeline parallelism: split it into stages on meta, parallelize each of this rank's stages
+on its stage group's meshes, and fill each from the checkpoint (only the stage's tensors, only their local
+shards), from full in-memory weights, or by the model's own init."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from automodel.distributed import MeshContext
+from automodel.distributed.model_structure import tied_parameter_names
+from automodel.distributed.parallelizer import parallelizer_for
+from automodel.distributed.pipeline_stages import PipelineRoles, build_stage, pipeline_roles, stage_layer_counts
+from automodel.distributed.pipelined_model import PipelinedModel
+from automodel.distributed.runtime import device_of, log_rank_zero
+
+from .agreement import agree_or_raise
+from .fill import fill_from_weights, initialize_all
+from .initialization import non_persistent_buffer_names
+from .loader import CheckpointPlan, load_checkpoint, materialize
+from .sharded_loader import LoadReport, state_tensors
+
+if TYPE_CHECKING:
+    from .pipeline import Loaded
+
+__all__ = ["load_pipeline_stages"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_pipeline_stages(
+    model: nn.Module,
+    context: MeshContext,
+    plan: CheckpointPlan | None,
+    weights: Mapping[str, torch.Tensor] | None,
+    init_seed: int | None,
+    progress: bool,
+) -> Loaded:
+    """``model`` (on meta, checked against the checkpoint ``plan`` as a whole) as this rank's filled stages."""
+    from automodel.loading.pipeline import Loaded  # the loading pipeline's result type (it imports this module)
+
+    layout = context.pipeline
+    roles, error = None, None
+    try:
+        roles = pipeline_roles(model)
+        counts = stage_layer_counts(roles.num_layers, layout.num_stages)
+    except ValueError as exc:
+        error = exc
+    agree_or_raise(error, f"Splitting {type(model).__name__} into {layout.num_stages} pipeline stages")
+    bounds = [sum(counts[:index]) for index in range(len(counts) + 1)]
+    log_rank_zero(
+        logger,
+        "pipeline: %d stages over pp=%d (%s, %d microbatches), decoder layers per stage %s",
+        layout.num_stages,
+        layout.size,
+        layout.schedule,
+        layout.microbatches,
+        counts,
+    )
+    aliases = {name: group[0] for group in tied_parameter_names(model) for name in group}
+    tied = _split_ties(model, roles)
+    stages, report = [], LoadReport()
+    for position, index in enumerate(layout.local_stages):
+        last_local = position == len(layout.local_stages) - 1
+        stage = build_stage(
+            model, roles, range(bounds[index], bounds[index + 1]), first=index == 0, last=index == layout.num_stages - 1
+        )
+        stage = parallelizer_for(model).parallelize(stage, context)
+        allocated = materialize(stage, device_of(context))
+        if plan is not None:
+            stage_report = load_checkpoint(
+                stage, _stage_plan(plan, stage, aliases), progress=progress, allocated=allocated, close=last_local
+            )
+        elif weights is not None:
+            own = {
+                name: weights[aliases.get(name, name)] for name in _names(stage) if aliases.get(name, name) in weights
+            }
+            stage_report = fill_from_weights(stage, own)
+        else:
+            stage_report = initialize_all(stage, init_seed, non_persistent_buffer_names(stage) & allocated)
+        report = _combined(report, stage_report)
+        stages.append(stage)
+    pipelined = PipelinedModel(stages, layout.local_stages, layout, device_of(context), tied)
+    return Loaded(pipelined, report)
+
+
+def _names(stage: nn.Module) -> list[str]:
+    return [name for name, _ in state_tensors(stage)] + [name for name, _ in stage.named_buffers()]
+
+
+def _split_ties(model: nn.Module, roles: PipelineRoles) -> list[tuple[str, str]]:
+    """The tied groups the split separates: ``(name on the first stage, name on the last stage)`` for each group
+    with a name in an input module and one in an output module (tied embeddings and head)."""
+    inputs = tuple(f"{name}." for name in (*roles.inputs, *roles.unused))
+    outputs = tuple(f"{name}." for name in roles.outputs)
+    pairs = []
+    for group in tied_parameter_names(model):
+        first = [name for name in group if name.startswith(inputs)]
+        last = [name for name in group if name.startswith(outputs)]
+        if first and last:
+            pairs.append((first[0], last[0]))
+    return pairs
+
+
+def _stage_plan(plan: CheckpointPlan, stage: nn.Module, aliases: dict[str, str]) -> CheckpointPlan:
+    """``plan`` restricted to ``stage``'s tensors; a tied name the split separated (the head's weight on the last
+    stage) reads its group's checkpoint tensor."""
+    names = {name for name, _ in state_tensors(stage)}
+    sources = {}
+    for name in names:
+        source = plan.keys.sources.get(name) or plan.keys.sources.get(aliases.get(name, name))
+        if source is not None:
+            sources[name] = source
+    missing = [name for name in plan.keys.missing if name in names]
+    keys = dataclasses.replace(plan.keys, sources=sources, missing=missing)
+    return dataclasses.replace(plan, keys=keys)
+
+
+def _combined(total: LoadReport, stage: LoadReport) -> LoadReport:
+    return LoadReport(
+        loaded=total.loaded + stage.loaded,
+        initialized=total.initialized + stage.initialized,
+        bytes_read=max(total.bytes_read, stage.bytes_read),  # the files' counters run on over this rank's stages
+        bytes_spanned=max(total.bytes_spanned, stage.bytes_spanned),
+        seconds=total.seconds + stage.seconds,
+        peak_rss_bytes=max(total.peak_rss_bytes, stage.peak_rss_bytes),
+        dequantized=stage.dequantized or total.dequantized,
+    )

@@ -1,0 +1,180 @@
+"""Rank-side cases for pipeline parallelism (run inside ``tests.harness.RankPool`` workers): a tiny model of the
+zoo saved with ``save_pretrained`` and loaded with ``pp_size > 1``, against plain transformers on the whole batch."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from automodel import NeMoAutoModelForCausalLM
+from automodel.distributed import MeshContext
+from automodel.distributed.runtime import full_tensor
+from tests.causal_lm_zoo import tiny_config
+from tests.tiny_models import token_batch
+
+#: Layers of the pipelined tiny models: two per rank on two ranks, one per stage with two virtual stages per rank.
+LAYERS = 4
+
+
+def plain_model(model_type: str, tie: bool | None = None, seed: int = 0) -> torch.nn.Module:
+    """The plain transformers model (fp32, train mode) of a 4-layer tiny config of ``model_type``."""
+    overrides: dict[str, Any] = {"num_hidden_layers": LAYERS}
+    if tie is not None:
+        overrides["tie_word_embeddings"] = tie
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+
+
+def _saved(reference: torch.nn.Module) -> str:
+    """``reference`` saved with ``save_pretrained`` in a directory every rank reads (rank 0 writes it)."""
+    paths = [tempfile.mkdtemp(prefix="pp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(paths, src=0)
+    if dist.get_rank() == 0:
+        reference.save_pretrained(paths[0])
+    dist.barrier()
+    return paths[0]
+
+
+def pipeline_parity(model_type: str, layout: dict[str, Any], tie: bool | None = None) -> dict[str, Any]:
+    """One ``train_step`` of ``model_type`` under ``layout`` (``MeshContext.build`` keywords with ``pp_size``) against
+    plain transformers' ``model(input_ids, labels).loss.backward()`` on the whole batch: the loss difference, the
+    largest gradient difference (and its parameter), the parameters without a gradient, and whether every
+    parameter of the plain model is on some rank; then the loss of a batch of another sequence length, by
+    ``train_step`` and ``eval_step``."""
+    reference = plain_model(model_type, tie)
+    directory = _saved(reference)
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context).train()
+    batch = token_batch(8, 16)  # longer than the tiny configs' sliding windows (8)
+    loss = model.train_step(input_ids=batch, labels=batch)
+    expected = reference(input_ids=batch, labels=batch)
+    expected.loss.backward()
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    worst, worst_name, without = 0.0, None, []
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            without.append(name)
+            continue
+        difference = (full_tensor(param.grad) - plain[name].grad).abs().max().item()
+        if difference >= worst:
+            worst, worst_name = difference, name
+    # Another sequence length (new stage buffers), train and eval.
+    other = token_batch(8, 12, seed=5)
+    with torch.no_grad():
+        plain_other = reference(input_ids=other, labels=other).loss.item()
+    shapes = max(
+        abs(model.train_step(input_ids=other, labels=other).item() - plain_other),
+        abs(model.eval_step(input_ids=other, labels=other).item() - plain_other),
+    )
+    held = [[name for name, _ in model.named_parameters()]]
+    everyone: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, held[0])
+    covered = {name for names in everyone for name in names}
+    return {
+        "loss": abs(loss.item() - expected.loss.item()),
+        "other_shape_loss": shapes,
+        "grad": worst,
+        "worst_grad": worst_name,
+        "no_grad": without,
+        "uncovered": sorted(set(plain) - covered),
+        "stages": list(model.stage_indices),
+        "same_loss_everywhere": _same_everywhere(loss),
+    }
+
+
+def _same_everywhere(value: torch.Tensor) -> bool:
+    values: list[float] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(values, value.item())
+    return len(set(values)) == 1
+
+
+def tied_after_steps(layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
+    """A tiny Llama with tied embeddings, ``steps`` AdamW steps under ``layout`` and in one plain process: the
+    largest difference between the pipelined embedding (first stage) and head (last stage) weights, and between
+    each and the plain model's tied weight."""
+    reference = plain_model("llama", tie=True)
+    directory = _saved(reference)
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plain_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    batch = token_batch(8, 8)
+    for _ in range(steps):
+        model.train_step(input_ids=batch, labels=batch)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference(input_ids=batch, labels=batch).loss.backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+    parameters = dict(model.named_parameters())
+    mine = parameters.get("model.embed_tokens.weight", parameters.get("lm_head.weight"))
+    mine = full_tensor(mine.detach()) if mine is not None else None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    held = [tensor for tensor in gathered if tensor is not None]
+    plain = reference.get_input_embeddings().weight.detach()
+    return {
+        "copies": len(held),
+        "between_copies": max((held[0] - tensor).abs().max().item() for tensor in held),
+        "from_plain": max((plain - tensor).abs().max().item() for tensor in held),
+    }
+
+
+def clipped_norm(layout: dict[str, Any]) -> dict[str, float]:
+    """``automodel.clip_grad_norm_`` over a pipelined model's parameters after one step, and the plain model's
+    ``torch.nn.utils.clip_grad_norm_`` on the same batch (tied embeddings: the shared gradient counts once)."""
+    from automodel.distributed.grad_clipping import clip_grad_norm_
+
+    reference = plain_model("llama", tie=True)
+    directory = _saved(reference)
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context).train()
+    batch = token_batch(8, 8)
+    model.train_step(input_ids=batch, labels=batch)
+    reference(input_ids=batch, labels=batch).loss.backward()
+    return {
+        "norm": clip_grad_norm_(model.parameters(), 1e9).item(),
+        "plain": torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item(),
+    }
+
+
+def pipeline_error(layout: dict[str, Any], call: str = "load", layers: int = LAYERS) -> str:
+    """The error a pipelined load (or ``call``: ``forward`` / ``generate`` / ``batch`` on the loaded model) raises,
+    on this rank."""
+    config = tiny_config("llama", num_hidden_layers=layers)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    directory = _saved(reference)
+    try:
+        context = MeshContext.build(**layout)
+        model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context)
+        batch = token_batch(8, 8)
+        if call == "forward":
+            model(input_ids=batch)
+        elif call == "generate":
+            model.generate(batch)
+        elif call == "batch":
+            model.train_step(input_ids=batch[:6], labels=batch[:6])
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def from_config_weights(layout: dict[str, Any]) -> dict[str, Any]:
+    """``from_config`` under PP (the default per-module init) gives each rank's stage tensors exactly the values the
+    same call without a mesh gives."""
+    config = tiny_config("llama", num_hidden_layers=LAYERS)
+    whole = dict(NeMoAutoModelForCausalLM.from_config(config).state_dict())
+    model = NeMoAutoModelForCausalLM.from_config(config, mesh_context=MeshContext.build(**layout))
+    differing = [
+        name
+        for name, tensor in model.state_dict().items()
+        if not torch.equal(full_tensor(tensor.detach()), whole[name])
+    ]
+    return {"tensors": len(model.state_dict()), "differing": differing, "pid": os.getpid()}

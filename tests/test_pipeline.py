@@ -1,0 +1,95 @@
+"""Pipeline parallelism on CPU ranks: any causal LM split into stages by its decoder layers, run by torch's schedules,
+against plain single-process transformers on the whole batch (fp32: loss and every gradient within 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cases import pipeline
+
+pytestmark = pytest.mark.distributed
+
+TOLERANCE = 1e-5
+SCHEDULES = {
+    "gpipe": {"pp_schedule": "gpipe"},
+    "1f1b": {"pp_schedule": "1f1b"},
+    "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2},
+}
+#: (model type, tie_word_embeddings): dense, QK-norm, sliding-window, tied and MoE models.
+MODELS = [("llama", False), ("qwen3", None), ("gemma3_text", None), ("llama", True), ("mixtral", None)]
+
+
+def _check(result):
+    assert max(result["loss"], result["grad"], result["other_shape_loss"]) <= TOLERANCE, result
+    assert not result["no_grad"], result
+    assert not result["uncovered"], result
+    assert result["same_loss_everywhere"], result
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(("model_type", "tie"), MODELS, ids=[f"{m}{'_tied' if t else ''}" for m, t in MODELS])
+def test_pp2_matches_plain_transformers(ranks2, model_type, tie, schedule):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, **SCHEDULES[schedule]}
+    results = ranks2.run(pipeline.pipeline_parity, model_type, layout, tie)
+    for result in results:
+        _check(result)
+    virtual = SCHEDULES[schedule].get("pp_virtual_stages", 1)
+    assert [result["stages"] for result in results] == [[rank + 2 * k for k in range(virtual)] for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("inner", [{"dp_replicate_size": 1}, {"tp_size": 2}], ids=["pp2_fsdp2", "pp2_tp2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_pp2_composes_with_fsdp2_and_tp_on_4_ranks(ranks4, model_type, inner):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b", **inner}
+    for result in ranks4.run(pipeline.pipeline_parity, model_type, layout, None):
+        _check(result)
+
+
+def test_tied_embeddings_stay_equal_after_optimizer_steps(ranks2):
+    """The first stage's embedding and the last stage's head (the same tied weight, a copy on each stage) get their
+    gradients summed, take the same AdamW steps, and equal the plain model's after 3 steps."""
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
+    result = ranks2.run(pipeline.tied_after_steps, layout)[0]
+    assert result["copies"] == 2, result
+    assert result["between_copies"] == 0.0, result
+    assert result["from_plain"] <= 1e-5, result
+
+
+def test_gradient_norm_spans_the_stages(ranks2):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "gpipe"}
+    results = ranks2.run(pipeline.clipped_norm, layout)
+    assert len({result["norm"] for result in results}) == 1, results
+    assert abs(results[0]["norm"] - results[0]["plain"]) <= 1e-4 * results[0]["plain"], results
+
+
+def test_from_config_under_pp_gives_the_weights_of_the_same_call_without_a_mesh(ranks2):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "1f1b"}
+    for result in ranks2.run(pipeline.from_config_weights, layout):
+        assert result["tensors"] and not result["differing"], result
+
+
+@pytest.mark.parametrize(
+    ("layout", "layers", "call", "expected"),
+    [
+        ({"strategy": "ddp", "pp_size": 2}, 4, "load", "pp_size=2 with strategy='ddp' is not supported"),
+        ({"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 1}, 4, "load", "pp_microbatches=1 is fewer than"),
+        ({"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "interleaved_1f1b"}, 4, "load", "pp_virtual_stages >= 2"),
+        ({"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "zero"}, 4, "load", "pp_schedule='zero' is not a schedule"),
+        ({"strategy": "fsdp2", "pp_size": 2, "pp_virtual_stages": 2}, 4, "load", "runs one stage per rank"),
+        (
+            {"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2},
+            3,
+            "load",
+            "The model has 3 decoder layers and the pipeline 4 stages",
+        ),
+        ({"strategy": "fsdp2", "pp_size": 2}, 4, "forward", "use model.train_step(input_ids=..., labels=...)"),
+        ({"strategy": "fsdp2", "pp_size": 2}, 4, "generate", "generate() is not available on a pipeline-parallel"),
+        ({"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4}, 4, "batch", "A batch of 6 rows cannot be split"),
+    ],
+    ids=["ddp", "few_microbatches", "interleaved_without_virtual", "unknown", "virtual_without_interleaved",
+         "fewer_layers_than_stages", "plain_call", "generate", "uneven_batch"],
+)  # fmt: skip
+def test_impossible_pipelines_are_refused_on_every_rank(ranks2, layout, layers, call, expected):
+    messages = ranks2.run(pipeline.pipeline_error, layout, call, layers)
+    assert len(set(messages)) == 1, messages
+    assert expected in messages[0], messages[0]
