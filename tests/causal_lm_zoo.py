@@ -310,9 +310,12 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     model_class = _model_class(config_class)
     attn = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     kwargs = {**_tiny_kwargs(model_type), **overrides}
-    if "num_hidden_layers" in overrides and "layer_types" in kwargs and "layer_types" not in overrides:
-        pattern = kwargs["layer_types"]  # repeated over the new depth
-        kwargs["layer_types"] = [pattern[index % len(pattern)] for index in range(overrides["num_hidden_layers"])]
+    depth = _tiny_kwargs(model_type).get("num_hidden_layers")
+    if "num_hidden_layers" in overrides and depth:
+        for key, value in list(kwargs.items()):
+            # Per-layer lists (`layer_types`, `mlp_layer_types` ...) repeated over the new depth.
+            if key not in overrides and isinstance(value, list) and len(value) == depth and key.endswith("types"):
+                kwargs[key] = [value[index % depth] for index in range(overrides["num_hidden_layers"])]
     config = config_class(**kwargs)
     config._attn_implementation = attn
     return config

@@ -93,3 +93,16 @@ def test_impossible_pipelines_are_refused_on_every_rank(ranks2, layout, layers, 
     messages = ranks2.run(pipeline.pipeline_error, layout, call, layers)
     assert len(set(messages)) == 1, messages
     assert expected in messages[0], messages[0]
+
+
+def test_padding_masks_and_positions_reach_every_stage(ranks2):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
+    for result in ranks2.run(pipeline.masked_batch_parity, layout):
+        assert max(result["loss"], result["grad"]) <= TOLERANCE, result
+
+
+def test_lora_under_pp2_x_fsdp2(ranks4):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
+    for result in ranks4.run(pipeline.lora_parity, layout):
+        assert max(result["loss"], result["grad"]) <= TOLERANCE, result
+        assert result["adapters"] and not result["frozen_grads"], result

@@ -24,6 +24,7 @@ from torch import nn
 from .versions import private_symbol
 
 __all__ = [
+    "ForCausalLMLoss",
     "ALL_PARALLEL_STYLES",
     "CACHE_ARGUMENTS",
     "AllReduceParallel",
@@ -66,6 +67,12 @@ def _transformers(*paths: str, purpose: str) -> Any:
 _PARALLEL_UTILS = "transformers.distributed.parallel_utils"
 _TENSOR_PARALLEL = "transformers.distributed.tensor_parallel"
 _CORE_LOADING = "transformers.core_model_loading"
+
+# --- Pipeline parallelism (automodel.distributed.pipeline_stages) ------------------------------------------------------
+
+# The causal-LM loss a model's `self.loss_function` resolves to (labels shifted by one inside): a pipelined model's
+# `train_step` computes the same loss per microbatch. Known: 4.46.0 - 5.24.0.
+ForCausalLMLoss = _transformers("transformers.loss.loss_utils.ForCausalLMLoss", purpose="the pipelined causal-LM loss")
 
 # --- Tensor and expert parallelism (automodel.distributed.hf_plans, tp_styles) ---------------------------------------
 

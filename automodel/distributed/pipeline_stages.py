@@ -21,11 +21,14 @@ the last stage count their input and output modules as one layer each.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from automodel._compat.transformers import ForCausalLMLoss
 
 from .meta_trace import FakeScalars, eager_experts, meta_forward, meta_twin
 from .model_structure import decoder_layers, encoder_tower_blocks
@@ -57,6 +60,7 @@ def pipeline_roles(model: nn.Module) -> PipelineRoles:
     """The roles of ``model``'s modules (built on meta or not; a meta twin is run, never the model). Raises
     ``ValueError`` naming the module for a model that pipeline stages cannot split."""
     name = type(model).__name__
+    _check_loss(model)
     encoder = {id(block) for block in encoder_tower_blocks(model)}
     blocks = [block for block in decoder_layers(model) if id(block) not in encoder]
     module_names = {module: module_name for module_name, module in model.named_modules()}
@@ -125,6 +129,32 @@ def pipeline_roles(model: nn.Module) -> PipelineRoles:
     return PipelineRoles(tuple(layers), _outermost(inputs), _outermost(outs), _outermost(unused), length)
 
 
+def _check_loss(model: nn.Module) -> None:
+    """``train_step`` computes transformers' causal-LM loss (labels shifted by one) per microbatch: refuse a model
+    whose own ``forward`` computes another one, naming why (plain transformers' loss is the oracle)."""
+    name = type(model).__name__
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = ""
+    # transformers' `loss_function` property without its warning: an explicit one, else by `loss_type` (None: causal).
+    loss = model.__dict__.get("_loss_function")
+    causal = loss is ForCausalLMLoss or (loss is None and getattr(model, "loss_type", None) in (None, "ForCausalLM"))
+    if "self.loss_function(" not in source or not causal:
+        raise ValueError(
+            f"{name} cannot be split into pipeline stages: its forward does not compute transformers' causal-LM loss "
+            "(`self.loss_function`, labels shifted by one; it computes its own, e.g. on labels it expects already "
+            "shifted), which a pipelined train_step reproduces per microbatch. Use pp_size=1."
+        )
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"{name} cannot be split into pipeline stages with output_router_logits=True: its loss adds the routers' "
+            "auxiliary loss, which a pipelined train_step does not compute yet. Set output_router_logits=False (pass "
+            "it to from_pretrained), or use pp_size=1."
+        )
+
+
 def _record(calls: list, kind: str, module_name: str, outputs: dict | None = None):
     if kind == "enter":
 
@@ -146,9 +176,10 @@ def _outermost(names: list[str]) -> tuple[str, ...]:
 
 
 def stage_layer_counts(num_layers: int, num_stages: int, *, input_weight: float = 1.0, output_weight: float = 1.0):
-    """Decoder layers per stage: contiguous, at least one each, the largest stage cost as small as it can be (a
-    layer costs 1; the first stage adds ``input_weight``, the last ``output_weight``); of equally good splits, the
-    one with the most layers early. Raises ``ValueError`` when there are fewer layers than stages."""
+    """Decoder layers per stage: contiguous, at least one each, with the largest stage cost as small as it can be (a
+    layer costs 1; the first stage adds ``input_weight``, the last ``output_weight``); of those splits, the one with
+    the most even costs, then the most even layer counts. Raises ``ValueError`` when there are fewer layers than
+    stages."""
     if num_layers < num_stages:
         raise ValueError(
             f"The model has {num_layers} decoder layers and the pipeline {num_stages} stages (pp_size x "
@@ -159,25 +190,34 @@ def stage_layer_counts(num_layers: int, num_stages: int, *, input_weight: float 
         extra = (input_weight if stage == 0 else 0.0) + (output_weight if stage == num_stages - 1 else 0.0)
         return layers + extra
 
-    # best[s][n]: the smallest largest cost of splitting the first n layers into s + 1 stages.
-    best = [[float("inf")] * (num_layers + 1) for _ in range(num_stages)]
-    for n in range(1, num_layers + 1):
-        best[0][n] = cost(0, n)
-    for stage in range(1, num_stages):
-        for n in range(stage + 1, num_layers + 1):
-            best[stage][n] = min(max(best[stage - 1][n - k], cost(stage, k)) for k in range(1, n - stage + 1))
-    counts: list[int] = []
-    remaining = num_layers
-    for stage in range(num_stages - 1, 0, -1):
-        # The fewest layers for this (later) stage that keeps the optimum: the most layers stay early.
-        target = best[stage][remaining]
-        k = next(
-            k for k in range(1, remaining - stage + 1) if max(best[stage - 1][remaining - k], cost(stage, k)) <= target
-        )
-        counts.append(k)
-        remaining -= k
-    counts.append(remaining)
-    return list(reversed(counts))
+    def splits(stage: int, layers: int) -> range:  # the layer counts stage `stage` may take of `layers` left
+        return range(1, layers - (num_stages - 1 - stage) + 1)
+
+    # The smallest possible largest cost: the largest layer count of an even split, checked upwards.
+    candidates = sorted({cost(stage, n) for stage in range(num_stages) for n in range(1, num_layers + 1)})
+    limit = next(bound for bound in candidates if _fits(num_layers, num_stages, cost, bound))
+    # Under that limit, the split with the smallest (sum of squared costs, sum of squared layer counts): additive, so
+    # one pass over (stage, layers used) finds it exactly.
+    best: dict[tuple[int, int], tuple[tuple[float, int], list[int]]] = {(0, 0): ((0.0, 0), [])}
+    for stage in range(num_stages):
+        for (_, used), (score, counts) in [item for item in best.items() if item[0][0] == stage]:
+            for n in splits(stage, num_layers - used):
+                if cost(stage, n) > limit:
+                    continue
+                key = (stage + 1, used + n)
+                candidate = ((score[0] + cost(stage, n) ** 2, score[1] + n * n), [*counts, n])
+                if key not in best or candidate[0] < best[key][0]:
+                    best[key] = candidate
+    return best[(num_stages, num_layers)][1]
+
+
+def _fits(num_layers: int, num_stages: int, cost, bound: float) -> bool:
+    """Whether ``num_layers`` split into ``num_stages`` contiguous stages of at least one layer, each costing at most
+    ``bound``."""
+    reachable = {0}
+    for stage in range(num_stages):
+        reachable = {used + n for used in reachable for n in range(1, num_layers - used + 1) if cost(stage, n) <= bound}
+    return num_layers in reachable
 
 
 class _SkippedLayer(nn.Module):
@@ -196,8 +236,9 @@ class _SkippedLayer(nn.Module):
 
 
 class _AbsentEmbedding(nn.Module):
-    """An embedding another stage holds: zeros of its output shape (the stage's first layer takes the activation
-    the previous stage sent instead)."""
+    """An embedding another stage holds: zeros of its output shape for token ids, else a zero scalar (a position
+    embedding called with something else broadcasts into its sum); the stage's first layer takes the activation the
+    previous stage sent instead."""
 
     absent_from_stage = True  # a TP plan's rule naming it is skipped
 
@@ -205,8 +246,11 @@ class _AbsentEmbedding(nn.Module):
         super().__init__()
         self.embedding_dim, self.dtype = embedding_dim, dtype
 
-    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return input_ids.new_zeros((*input_ids.shape, self.embedding_dim), dtype=self.dtype)
+    def forward(self, input_ids: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(input_ids, torch.Tensor) and not input_ids.is_floating_point():
+            return input_ids.new_zeros((*input_ids.shape, self.embedding_dim), dtype=self.dtype)
+        device = input_ids.device if isinstance(input_ids, torch.Tensor) else None
+        return torch.zeros((), dtype=self.dtype, device=device)
 
 
 class _AbsentModule(nn.Module):
