@@ -159,6 +159,12 @@ def plan(
         raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(_OPTIMIZER_STATE_BYTES)}.")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
+    if int((layout or {}).get("pp_size", 1)) > 1:
+        raise ValueError(
+            "automodel plan does not report pipeline-parallel layouts yet (per-stage layers, memory and bubble): plan "
+            "the layout of one stage group instead (pp_size=1 on world_size / pp_size ranks); the stage split is "
+            "logged when the model loads."
+        )
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
     if torch_dtype is None:
         raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)}.")

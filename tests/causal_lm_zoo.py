@@ -314,7 +314,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     if "num_hidden_layers" in overrides and depth:
         for key, value in list(kwargs.items()):
             # Per-layer lists (`layer_types`, `mlp_layer_types` ...) repeated over the new depth.
-            if key not in overrides and isinstance(value, list) and len(value) == depth and key.endswith("types"):
+            if key not in overrides and isinstance(value, list) and len(value) == depth and "layer" in key:
                 kwargs[key] = [value[index % depth] for index in range(overrides["num_hidden_layers"])]
     config = config_class(**kwargs)
     config._attn_implementation = attn

@@ -183,3 +183,8 @@ def test_a_recipe_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "plan: 2 ranks" in done.stdout and "stands for" in done.stdout, done.stdout
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_pipeline_layout_is_refused_until_plan_reports_stages():
+    with pytest.raises(ValueError, match="does not report pipeline-parallel layouts yet"):
+        plan("unused", world_size=4, layout={"strategy": "fsdp2", "pp_size": 2})

@@ -72,21 +72,42 @@ def load_pipeline_stages(
         )
         stage = parallelizer_for(model).parallelize(stage, context)
         allocated = materialize(stage, device_of(context))
-        if plan is not None:
-            stage_report = load_checkpoint(
-                stage, _stage_plan(plan, stage, aliases), progress=progress, allocated=allocated, close=last_local
+        stage_report, error = LoadReport(), None
+        try:
+            stage_report = _fill_stage(stage, plan, weights, init_seed, aliases, allocated, progress, last_local)
+        except AttributeError as exc:
+            if "_SkippedLayer" not in str(exc) and "_Absent" not in str(exc):
+                raise
+            # The model's own init reads a module another stage holds (FalconH1Model's walks every layer's mixer).
+            error = ValueError(
+                f"{type(model).__name__} cannot be split into pipeline stages: its `_init_weights` reads parts of "
+                f"other stages ({exc}). Use pp_size=1."
             )
-        elif weights is not None:
-            own = {
-                name: weights[aliases.get(name, name)] for name in _names(stage) if aliases.get(name, name) in weights
-            }
-            stage_report = fill_from_weights(stage, own)
-        else:
-            stage_report = initialize_all(stage, init_seed, non_persistent_buffer_names(stage) & allocated)
+        agree_or_raise(error, f"Filling pipeline stage {index} of {type(model).__name__}")
         report = _combined(report, stage_report)
         stages.append(stage)
     pipelined = PipelinedModel(stages, layout.local_stages, layout, device_of(context), tied)
     return Loaded(pipelined, report)
+
+
+def _fill_stage(
+    stage: nn.Module,
+    plan: CheckpointPlan | None,
+    weights: Mapping[str, torch.Tensor] | None,
+    init_seed: int | None,
+    aliases: dict[str, str],
+    allocated: set[str],
+    progress: bool,
+    close: bool,
+) -> LoadReport:
+    """Fill one materialized stage from the checkpoint, full in-memory weights, or the model's own init."""
+    if plan is not None:
+        stage_plan = _stage_plan(plan, stage, aliases)
+        return load_checkpoint(stage, stage_plan, progress=progress, allocated=allocated, close=close)
+    if weights is not None:
+        own = {name: weights[aliases.get(name, name)] for name in _names(stage) if aliases.get(name, name) in weights}
+        return fill_from_weights(stage, own)
+    return initialize_all(stage, init_seed, non_persistent_buffer_names(stage) & allocated)
 
 
 def _names(stage: nn.Module) -> list[str]:
