@@ -106,3 +106,13 @@ def test_lora_under_pp2_x_fsdp2(ranks4):
     for result in ranks4.run(pipeline.lora_parity, layout):
         assert max(result["loss"], result["grad"]) <= TOLERANCE, result
         assert result["adapters"] and not result["frozen_grads"], result
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_save_pretrained_writes_the_files_of_the_unpipelined_export(ranks2, tie):
+    """Every stage's tensors reach rank 0 and are written in the same files, byte for byte, as the one-process
+    export of the same weights; after a training and an optimizer step plain transformers loads the trained ones."""
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
+    result = ranks2.run(pipeline.export_matches, layout, tie)[0]
+    assert result["pipelined"] == result["plain"] and "model.safetensors" in result["plain"], result
+    assert not result["reloaded_differs"], result

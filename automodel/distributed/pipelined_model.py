@@ -13,7 +13,7 @@ loaded from the same checkpoint tensor); after each backward their gradients are
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .parallel_model import ParallelizedModel
 from .pipeline_layout import PipelineLayout
+from .runtime import full_tensor
 
 __all__ = ["PipelinedModel", "pipeline_norm_group"]
 
@@ -47,13 +49,14 @@ def _schedule_class(name: str) -> type:
     }[name]
 
 
-class PipelinedModel(nn.Module):
+class PipelinedModel(ParallelizedModel, nn.Module):
     """This rank's pipeline stages of one transformers model (each parallelized on its stage group's meshes).
 
     ``stages`` holds the local stage modules (copies of the model class in which other stages' parts are
     parameter-free stand-ins). ``named_parameters()`` / ``state_dict()`` give their tensors under transformers'
     names; ``config`` is the model's config. A plain call and ``generate`` are refused: use ``train_step`` and
-    ``eval_step``.
+    ``eval_step``. ``save_pretrained`` / ``push_to_hub`` are collective and write the one consolidated checkpoint
+    of the whole model, as without PP.
     """
 
     def __init__(
@@ -63,8 +66,11 @@ class PipelinedModel(nn.Module):
         layout: PipelineLayout,
         device: torch.device,
         tied: list[tuple[str, str]],
+        whole: nn.Module,
     ) -> None:
         super().__init__()
+        # The whole model on meta (not a submodule): the names, shapes, ties and config an export writes.
+        self.__dict__["whole_on_meta"] = whole
         self.stages = nn.ModuleList(stages)
         self.layout = layout
         self.stage_indices = list(stage_indices)
@@ -80,6 +86,7 @@ class PipelinedModel(nn.Module):
         self._tied = self._tied_pairs(tied)
         # Every rank creates every embedding group (new_group is collective), whether it holds a tied pair or not.
         self._embedding_group = _embedding_group(layout) if tied else None
+        self._owners = self._tensor_owners()
         for name, param in self.named_parameters():
             counted = not (self._is_last and name in {head for _, head in tied} and not self._is_first)
             setattr(param, _PIPELINE_ATTRIBUTE, (self._group, counted))
@@ -128,6 +135,43 @@ class PipelinedModel(nn.Module):
                 f"no local stage {sorted(unexpected)[:10]}."
             )
         return torch.nn.modules.module._IncompatibleKeys(missing, sorted(unexpected))
+
+    # -- exporting it --------------------------------------------------------------------------------------------------
+
+    def _tensor_owners(self) -> dict[str, int]:
+        """Every state tensor of the whole model -> the pipeline rank whose stages hold it (the lowest, for the
+        buffers every stage holds)."""
+        mine = list(self.state_dict())
+        everyone: list[list[str]] = [None] * self.layout.size  # type: ignore[list-item]
+        dist.all_gather_object(everyone, mine, group=self._group)
+        owners: dict[str, int] = {}
+        for rank, names in enumerate(everyone):
+            for name in names:
+                owners.setdefault(name, rank)
+        return owners
+
+    def gatherer(self) -> Callable[[str], torch.Tensor | None]:
+        """For an export: a function that, called collectively (every rank, every name in the same order), gives
+        the full value of state tensor ``name`` on global rank 0 (on the CPU) and ``None`` elsewhere. The stage group
+        holding it gathers it; that group's first rank sends it to rank 0."""
+        state = self.state_dict()
+        per_stage = dist.get_world_size() // self.layout.size
+        rank = dist.get_rank()
+
+        def gather(name: str) -> torch.Tensor | None:
+            owner = self._owners[name]
+            full = full_tensor(state[name]).detach() if self.layout.rank == owner else None
+            if rank == 0:
+                if owner != 0:
+                    meta = self.whole_on_meta.state_dict()[name]
+                    full = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+                    dist.recv(full, src=owner * per_stage)
+                return full.cpu()
+            if full is not None and rank == owner * per_stage:
+                dist.send(full.contiguous().to(self._device), dst=0)
+            return None
+
+        return gather
 
     # -- running it ---------------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from automodel._compat.transformers import remove_tied_weights_from_state_dict, revert_weight_conversion
+from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import full_tensor, is_rank_zero
 
 from .agreement import agree_or_raise
@@ -113,10 +114,12 @@ def write_checkpoint(
     ``place(staging, target)`` (rank 0), which may refuse the target before anything is written (``place`` is
     called with a ``None`` staging directory first, to check)."""
     target = Path(directory).absolute()
-    plan, error = None, None
+    plan, error, gather = None, None, None
     try:
         inner = _transformers_model(model)
-        _check_arguments(inner, tokenizer, model_card)
+        _check_arguments(model if isinstance(model, PipelinedModel) else inner, tokenizer, model_card)
+        if isinstance(model, PipelinedModel):
+            gather = model.gatherer()
         if is_rank_zero():
             place(None, target)
         plan = _plan_export(inner, max_shard_size, variant)
@@ -131,7 +134,7 @@ def write_checkpoint(
         except Exception as exc:
             error = exc
         agree_or_raise(error, f"Creating a temporary directory beside {target}")
-        for file_name, tensors, error in _gathered_files(inner, plan):
+        for file_name, tensors, error in _gathered_files(inner, plan, gather):
             try:
                 if staging is not None and error is None:
                     save_file(tensors, staging / file_name, metadata={"format": "pt"})
@@ -155,7 +158,10 @@ def write_checkpoint(
 
 
 def _transformers_model(model: nn.Module) -> PreTrainedModel:
-    """The transformers model itself, also inside a wrapper that keeps it as ``.module`` (DDP, Megatron-FSDP)."""
+    """The transformers model itself, also inside a wrapper that keeps it as ``.module`` (DDP, Megatron-FSDP); for a
+    pipelined model, the whole model on meta (names, shapes, ties, config: its tensors come from the stages)."""
+    if isinstance(model, PipelinedModel):
+        return model.whole_on_meta
     if isinstance(model, PreTrainedModel):
         return model
     inner = getattr(model, "module", None)
@@ -167,7 +173,7 @@ def _transformers_model(model: nn.Module) -> PreTrainedModel:
     )
 
 
-def _check_arguments(model: PreTrainedModel, tokenizer: Any, model_card: ModelCardInfo | None) -> None:
+def _check_arguments(model: nn.Module, tokenizer: Any, model_card: ModelCardInfo | None) -> None:
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise TypeError(
             f"tokenizer must have save_pretrained (a transformers tokenizer), got {type(tokenizer).__name__}."
@@ -244,14 +250,15 @@ def _stored_sources(
 
 
 def _gathered_files(
-    model: PreTrainedModel, plan: _ExportPlan
+    model: PreTrainedModel, plan: _ExportPlan, gather: Callable[[str], torch.Tensor | None] | None = None
 ) -> Iterator[tuple[str, dict[str, torch.Tensor], Exception | None]]:
     """Collective: yield each file's stored tensors (full, on the CPU; on rank 0 only, empty elsewhere) and the error
     converting them raised on this rank, if any.
 
     All ranks gather the same model tensors in the same order, also after a failure on rank 0 (which then stops
     converting), so that the failure is raised together after the file. A model tensor whose stored tensors spread
-    over two files is kept on rank 0 until they are all written.
+    over two files is kept on rank 0 until they are all written. ``gather(name)`` (a pipelined model's) replaces
+    ``full_tensor`` of the plan's source: the full tensor on rank 0, ``None`` elsewhere.
     """
     keep = is_rank_zero()
     pending: dict[str, torch.Tensor] = {}
@@ -263,7 +270,7 @@ def _gathered_files(
             source = plan.source_of[name]
             if source not in gathered:
                 gathered.add(source)
-                full = full_tensor(plan.sources[source])
+                full = gather(source) if gather is not None else full_tensor(plan.sources[source])
                 if keep and error is None:
                     try:
                         converted = revert_weight_conversion(model, {source: full.cpu()})

@@ -86,7 +86,7 @@ def load_pipeline_stages(
         agree_or_raise(error, f"Filling pipeline stage {index} of {type(model).__name__}")
         report = _combined(report, stage_report)
         stages.append(stage)
-    pipelined = PipelinedModel(stages, layout.local_stages, layout, device_of(context), tied)
+    pipelined = PipelinedModel(stages, layout.local_stages, layout, device_of(context), tied, model)
     return Loaded(pipelined, report)
 
 

@@ -244,3 +244,47 @@ def lora_parity(layout: dict[str, Any]) -> dict[str, Any]:
         "adapters": len(trainable),
         "frozen_grads": [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None],
     }
+
+
+def export_matches(layout: dict[str, Any], tie: bool) -> dict[str, Any]:
+    """``save_pretrained`` of a pipelined model against ``save_hf_checkpoint`` of the same weights in one process:
+    the files, byte for byte (rank 0); after a training and an optimizer step, plain transformers loads the export
+    with the plain model's trained weights."""
+    import hashlib
+    from pathlib import Path
+
+    from automodel.loading.export import save_hf_checkpoint
+
+    reference = plain_model("llama", tie=tie)
+    directory = _saved(reference)
+    model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=MeshContext.build(**layout)).train()
+    out = [tempfile.mkdtemp(prefix="pp-export-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(out, src=0)
+    model.save_pretrained(f"{out[0]}/pipelined")
+    save_hf_checkpoint(reference, f"{out[0]}/plain")  # collective too (every rank agrees), rank 0 writes
+    # After a training and an optimizer step (values within fp32 rounding of the plain model's, so not bytes).
+    batch = token_batch(8, 16)
+    model.train_step(input_ids=batch, labels=batch)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    reference(input_ids=batch, labels=batch).loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    model.save_pretrained(f"{out[0]}/trained")
+    if dist.get_rank() != 0:
+        return {}
+
+    def digests(folder: str) -> dict[str, str]:
+        return {
+            path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(Path(folder).iterdir())
+            if path.suffix in (".safetensors", ".json")
+        }
+
+    reloaded = AutoModelForCausalLM.from_pretrained(f"{out[0]}/trained")
+    plain_state = reference.state_dict()
+    return {
+        "pipelined": digests(f"{out[0]}/pipelined"),
+        "plain": digests(f"{out[0]}/plain"),
+        "reloaded_differs": [
+            n for n, t in reloaded.state_dict().items() if not torch.allclose(t, plain_state[n], atol=1e-6)
+        ],
+    }
