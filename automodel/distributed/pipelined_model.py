@@ -14,7 +14,7 @@ loaded from the same checkpoint tensor); after each backward their gradients are
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,13 @@ _PIPELINE_ATTRIBUTE = "_automodel_pipeline_norm"
 def pipeline_norm_group(param: torch.Tensor) -> tuple[Any, bool] | None:
     """``(pp group, counted)`` for a parameter of a pipelined model, else ``None``."""
     return getattr(param, _PIPELINE_ATTRIBUTE, None)
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict`` returns, as ``nn.Module.load_state_dict`` does."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 def _schedule_class(name: str) -> type:
@@ -134,7 +141,7 @@ class PipelinedModel(ParallelizedModel, nn.Module):
                 f"Error loading the state of a pipeline stage: missing {sorted(missing)[:10]}, unexpected keys of "
                 f"no local stage {sorted(unexpected)[:10]}."
             )
-        return torch.nn.modules.module._IncompatibleKeys(missing, sorted(unexpected))
+        return IncompatibleKeys(missing, sorted(unexpected))
 
     # -- exporting it --------------------------------------------------------------------------------------------------
 
