@@ -149,6 +149,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     (made["truncated_bin"] / "pytorch_model.bin").write_bytes(bin_bytes[: len(bin_bytes) // 2])
 
     made["gpt2"] = _save_tiny_gpt2(root / "gpt2")
+    made["mamba"] = _save_tiny_mamba(root / "mamba")
     return made
 
 
@@ -159,6 +160,15 @@ def _save_tiny_gpt2(directory: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     assert not getattr(type(model), "_tp_plan", None) and not model.config.base_model_tp_plan
     model.save_pretrained(directory)
+    return directory
+
+
+def _save_tiny_mamba(directory: Path) -> Path:
+    """Mamba: no TP plan of its own, and none derivable (its mixer's ``in_proj`` feeds another linear layer)."""
+    from tests.causal_lm_zoo import tiny_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("mamba")).save_pretrained(directory)
     return directory
 
 
@@ -255,10 +265,12 @@ def test_failure_only_one_rank_sees_is_raised_on_every_rank(ranks2, checkpoints)
 
 @pytest.mark.distributed
 def test_missing_tp_plan_names_the_class_and_how_to_supply_one(ranks2, checkpoints):
-    messages = ranks2.run(cases.load_error, str(checkpoints["gpt2"]), FSDP2_TP2, timeout=TIMEOUT_S)
+    # Neither declared nor derivable (GPT-2, which declares none, now runs a derived plan: tests/test_zoo_sweep.py).
+    messages = ranks2.run(cases.load_error, str(checkpoints["mamba"]), FSDP2_TP2, timeout=TIMEOUT_S)
     assert len(set(messages)) == 1, messages
-    assert messages[0].startswith("ValueError: GPT2LMHeadModel has no tensor-parallel plan"), messages[0]
+    assert messages[0].startswith("ValueError: MambaForCausalLM has no tensor-parallel plan"), messages[0]
     assert "`_tp_plan`" in messages[0] and "tp_shard_plan" in messages[0]
+    assert "backbone.layers.*.mixer.in_proj also feeds another linear layer" in messages[0], messages[0]
 
 
 def test_model_without_tp_plan_loads_without_tp(checkpoints):
