@@ -45,6 +45,13 @@ def test_pp2_composes_with_fsdp2_and_tp_on_4_ranks(ranks4, model_type, inner):
         _check(result)
 
 
+def test_nemotron_h_with_its_sidecar_under_pp2_x_fsdp2(ranks4):
+    """The hybrid (Mamba-2, attention, MLP, MoE blocks) through its sidecar's parallelizer, per stage."""
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
+    for result in ranks4.run(pipeline.pipeline_parity, "nemotron_h", layout, None):
+        _check(result)
+
+
 def test_tied_embeddings_stay_equal_after_optimizer_steps(ranks2):
     """The first stage's embedding and the last stage's head (the same tied weight, a copy on each stage) get their
     gradients summed, take the same AdamW steps, and equal the plain model's after 3 steps."""

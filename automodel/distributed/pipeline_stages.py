@@ -221,18 +221,29 @@ def _fits(num_layers: int, num_stages: int, cost, bound: float) -> bool:
 
 
 class _SkippedLayer(nn.Module):
-    """A decoder layer another stage runs: hands its hidden states on (in the layer's own output structure)."""
+    """A decoder layer another stage runs: hands its hidden states on (in the layer's own output structure), and
+    keeps the layer's plain attributes (``block_type``, ``attention_type``, ``layer_idx`` ...), which the model's
+    forward may read to choose each layer's mask."""
 
     absent_from_stage = True  # a TP plan's rule naming it is skipped
 
-    def __init__(self, output_length: int | None) -> None:
+    def __init__(self, output_length: int | None, layer: nn.Module | None = None) -> None:
         super().__init__()
         self.output_length = output_length
+        for name, value in vars(layer or nn.Module()).items():
+            if not name.startswith("_") and name != "training" and _is_plain(value):
+                setattr(self, name, value)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.output_length is None:
             return hidden_states
         return (hidden_states,) + (None,) * (self.output_length - 1)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_is_plain(item) for item in value)
+    return value is None or isinstance(value, str | int | float | bool)
 
 
 class _AbsentEmbedding(nn.Module):
@@ -275,7 +286,7 @@ def build_stage(model: nn.Module, roles: PipelineRoles, layers: range, *, first:
     replace: dict[str, nn.Module] = {}
     for index, layer in enumerate(roles.layers):
         if index not in layers:
-            replace[layer] = _SkippedLayer(roles.layer_output_length)
+            replace[layer] = _SkippedLayer(roles.layer_output_length, stage.get_submodule(layer))
     if not first:
         replace |= {name: _stand_in(stage.get_submodule(name)) for name in (*roles.inputs, *roles.unused)}
     if not last:

@@ -41,13 +41,21 @@ def _saved(reference: torch.nn.Module) -> str:
     return paths[0]
 
 
+def nemotron_h_model(tie: bool | None = None) -> torch.nn.Module:
+    """The tiny 4-block hybrid Nemotron-H of its sidecar's tests (Mamba-2, attention, MLP, MoE), fp32, train mode."""
+    from tests.cases.sidecar_nemotron_h import tiny_config as nemotron_h_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(nemotron_h_config(), dtype=torch.float32).train()
+
+
 def pipeline_parity(model_type: str, layout: dict[str, Any], tie: bool | None = None) -> dict[str, Any]:
     """One ``train_step`` of ``model_type`` under ``layout`` (``MeshContext.build`` keywords with ``pp_size``) against
     plain transformers' ``model(input_ids, labels).loss.backward()`` on the whole batch: the loss difference, the
     largest gradient difference (and its parameter), the parameters without a gradient, and whether every
     parameter of the plain model is on some rank; then the loss of a batch of another sequence length, by
     ``train_step`` and ``eval_step``."""
-    reference = plain_model(model_type, tie)
+    reference = nemotron_h_model() if model_type == "nemotron_h" else plain_model(model_type, tie)
     directory = _saved(reference)
     context = MeshContext.build(**layout)
     model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context).train()
