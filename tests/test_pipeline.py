@@ -90,14 +90,16 @@ def test_from_config_under_pp_gives_the_weights_of_the_same_call_without_a_mesh(
             "The model has 3 decoder layers and the pipeline 4 stages",
         ),
         ({"strategy": "fsdp2", "pp_size": 2}, 4, "forward", "use model.train_step(input_ids=..., labels=...)"),
+        ({"strategy": "fsdp2", "pp_size": 2, "tp_size": 2}, 4, "no_plan", "derived from the module tree is not supported under pipeline"),
         ({"strategy": "fsdp2", "pp_size": 2}, 4, "generate", "generate() is not available on a pipeline-parallel"),
         ({"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4}, 4, "batch", "A batch of 6 rows cannot be split"),
     ],
     ids=["ddp", "few_microbatches", "interleaved_without_virtual", "unknown", "virtual_without_interleaved",
-         "fewer_layers_than_stages", "plain_call", "generate", "uneven_batch"],
+         "fewer_layers_than_stages", "plain_call", "derived_tp_plan", "generate", "uneven_batch"],
 )  # fmt: skip
-def test_impossible_pipelines_are_refused_on_every_rank(ranks2, layout, layers, call, expected):
-    messages = ranks2.run(pipeline.pipeline_error, layout, call, layers)
+def test_impossible_pipelines_are_refused_on_every_rank(ranks2, ranks4, layout, layers, call, expected):
+    pool = ranks4 if layout.get("tp_size", 1) > 1 else ranks2
+    messages = pool.run(pipeline.pipeline_error, layout, call, layers)
     assert len(set(messages)) == 1, messages
     assert expected in messages[0], messages[0]
 

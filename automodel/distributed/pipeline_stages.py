@@ -33,7 +33,17 @@ from automodel._compat.transformers import ForCausalLMLoss
 from .meta_trace import FakeScalars, eager_experts, meta_forward, meta_twin
 from .model_structure import decoder_layers, encoder_tower_blocks
 
-__all__ = ["PipelineRoles", "StageForward", "build_stage", "pipeline_roles", "stage_layer_counts"]
+__all__ = [
+    "PIPELINE_STAGE_ATTRIBUTE",
+    "PipelineRoles",
+    "StageForward",
+    "build_stage",
+    "pipeline_roles",
+    "stage_layer_counts",
+]
+
+#: Set (True) on a stage module: what runs on a stage may differ (a derived TP plan is refused on one).
+PIPELINE_STAGE_ATTRIBUTE = "_automodel_pipeline_stage"
 
 _TRACE_LENGTH = 8
 
@@ -300,7 +310,7 @@ def build_stage(model: nn.Module, roles: PipelineRoles, layers: range, *, first:
             setattr(parent, child, stand_in)
     own = [stage.get_submodule(roles.layers[index]) for index in layers]
     stage.forward = StageForward(stage, own[0], own[-1], first=first, last=last)
-    stage._automodel_pipeline_stage = (layers.start, layers.stop)
+    setattr(stage, PIPELINE_STAGE_ATTRIBUTE, True)
     return stage
 
 
@@ -321,7 +331,11 @@ class StageForward:
         if not last:
             last_layer.register_forward_hook(self._keep_output)
 
-    def __call__(self, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def __call__(self, inputs: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        if inputs is None:
+            # Called as the model is (``stage(input_ids=...)``: a meta trace deriving the stage's TP plan): the
+            # model's own forward over the stage's parts, with its own output.
+            return self.model_forward(self.model, **kwargs)
         kwargs = {"use_cache": False, **kwargs}
         if self.first:
             kwargs["input_ids"] = inputs

@@ -156,7 +156,8 @@ def clipped_norm(layout: dict[str, Any]) -> dict[str, float]:
 def pipeline_error(layout: dict[str, Any], call: str = "load", layers: int = LAYERS) -> str:
     """The error a pipelined load (or ``call``: ``forward`` / ``generate`` / ``batch`` on the loaded model) raises,
     on this rank."""
-    config = tiny_config("llama", num_hidden_layers=layers)
+    # "no_plan": OPT, whose class declares no TP plan (TP would derive one).
+    config = tiny_config("opt" if call == "no_plan" else "llama", num_hidden_layers=layers)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config)
     directory = _saved(reference)
