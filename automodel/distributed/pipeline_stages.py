@@ -111,18 +111,20 @@ def pipeline_roles(model: nn.Module) -> PipelineRoles:
     first = calls.index(("enter", layers[0]))
     last = calls.index(("leave", layers[-1]))
     inside = tuple(f"{layer}." for layer in layers)
+    span: dict[str, tuple[int, int]] = {}  # module -> (first, last) position in the call order
+    for position, (_, called) in enumerate(calls):
+        span[called] = (span.get(called, (position, position))[0], position)
     inputs, outs, unused = [], [], []
     for module_name, module in model.named_modules():
         if not module_name or module_name in layers or module_name.startswith(inside):
             continue
         if next(module.parameters(recurse=False), None) is None:
             continue
-        times = [index for index, (_, called) in enumerate(calls) if called == module_name]
-        if not times:
+        if module_name not in span:
             unused.append(module_name)
-        elif times[-1] < first:
+        elif span[module_name][1] < first:
             inputs.append(module_name)
-        elif times[0] > last:
+        elif span[module_name][0] > last:
             outs.append(module_name)
         else:
             raise ValueError(

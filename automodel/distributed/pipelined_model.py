@@ -162,6 +162,7 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         the full value of state tensor ``name`` on global rank 0 (on the CPU) and ``None`` elsewhere. The stage group
         holding it gathers it; that group's first rank sends it to rank 0."""
         state = self.state_dict()
+        whole = self.whole_on_meta.state_dict()  # shapes and dtypes of what rank 0 receives
         per_stage = dist.get_world_size() // self.layout.size
         rank = dist.get_rank()
 
@@ -170,8 +171,7 @@ class PipelinedModel(ParallelizedModel, nn.Module):
             full = full_tensor(state[name]).detach() if self.layout.rank == owner else None
             if rank == 0:
                 if owner != 0:
-                    meta = self.whole_on_meta.state_dict()[name]
-                    full = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+                    full = torch.empty(whole[name].shape, dtype=whole[name].dtype, device=self._device)
                     dist.recv(full, src=owner * per_stage)
                 return full.cpu()
             if full is not None and rank == owner * per_stage:
