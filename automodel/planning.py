@@ -70,6 +70,11 @@ class RankPlan:
     largest_gather_bytes: int  # the largest FSDP unit unsharded: the all-gather buffer it needs
     activation_bytes_estimate: int | None  # given micro_batch_size and seq_len, with the AC setting
     peak_bytes_estimate: int
+    # Under PP: this rank's stages, their decoder layers, and the microbatches whose activations it holds at once
+    # (the activation estimate counts them).
+    pipeline_stages: list[int] | None = None
+    pipeline_layers: int | None = None
+    in_flight_microbatches: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of this rank."""
@@ -90,6 +95,9 @@ class Plan:
     layout: dict[str, Any] = field(default_factory=dict)
     #: What each simulation cost: ``{"rank", "seconds", "peak_rss_bytes"}`` per simulated rank (its own process).
     simulation: list[dict[str, Any]] = field(default_factory=list)
+    #: Under PP: ``{"schedule", "stages", "ranks", "virtual_stages", "microbatches", "layers_per_stage", "bubble"}``
+    #: (``bubble``: the ideal idle share of a step, ``(P - 1) / (V M + P - 1)``).
+    pipeline: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object ``automodel plan --json`` prints."""
@@ -102,6 +110,13 @@ class Plan:
         if not self.ok:
             return "\n".join([*head, f"refused: {self.error}"])
         head += [f"  {line}" for line in self.log]
+        if self.pipeline is not None:
+            pipeline = self.pipeline
+            head.append(
+                f"  pipeline: {pipeline['schedule']}, {pipeline['stages']} stages over {pipeline['ranks']} pipeline "
+                f"ranks, {pipeline['microbatches']} microbatches per step, decoder layers per stage "
+                f"{pipeline['layers_per_stage']}; ideal bubble {pipeline['bubble']:.1%} of a step"
+            )
         columns = (
             "rank",
             "params",
@@ -130,7 +145,15 @@ class Plan:
                     _describe_ranks(rank.stands_for),
                 )
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+            if self.pipeline is not None:
+                rows[-1] = (
+                    *rows[-1][:-1],
+                    f"{rank.pipeline_stages} ({rank.pipeline_layers} layers, {rank.in_flight_microbatches:g} in flight)",
+                    rows[-1][-1],
+                )
+        if self.pipeline is not None:
+            rows[0] = (*columns[:-1], "stages", columns[-1])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
         return "\n".join([*head, "", *lines])
 
@@ -159,12 +182,6 @@ def plan(
         raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(_OPTIMIZER_STATE_BYTES)}.")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
-    if int((layout or {}).get("pp_size", 1)) > 1:
-        raise ValueError(
-            "automodel plan does not report pipeline-parallel layouts yet (per-stage layers, memory and bubble): plan "
-            "the layout of one stage group instead (pp_size=1 on world_size / pp_size ranks); the stage split is "
-            "logged when the model loads."
-        )
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
     if torch_dtype is None:
         raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)}.")
@@ -177,6 +194,8 @@ def plan(
         return Plan(world_size, False, first["error"], first["total_param_bytes"], layout=layout)
     if ranks:
         chosen = {rank: [rank] for rank in ranks}
+    elif first["pipeline"] is not None:
+        chosen = _pipeline_ranks(first["classes"], first["pipeline"]["ranks"], world_size)
     else:
         # Each class by its first rank, the last rank's class by the last rank.
         chosen = {members[-1] if members[-1] == world_size - 1 else members[0]: members for members in first["classes"]}
@@ -193,7 +212,24 @@ def plan(
         key=lambda result: result.rank,
     )
     costs = [{key: outcome[key] for key in ("rank", "seconds", "peak_rss_bytes")} for outcome in outcomes]
-    return Plan(world_size, True, None, first["total_param_bytes"], results, first["log"], layout, costs)
+    return Plan(
+        world_size, True, None, first["total_param_bytes"], results, first["log"], layout, costs, first["pipeline"]
+    )
+
+
+def _pipeline_ranks(classes: list[list[int]], pp_size: int, world_size: int) -> dict[int, list[int]]:
+    """Under PP, every pipeline rank's stage group (each holds other stages, so each is simulated) by the classes
+    of the first group, shifted into it: the first rank of each class."""
+    per_group = world_size // pp_size
+    in_group = [[rank for rank in members if rank < per_group] for members in classes]
+    in_group = [members for members in in_group if members]
+    chosen: dict[int, list[int]] = {}
+    for group in range(pp_size):
+        offset = group * per_group
+        for members in in_group:
+            shifted = [offset + rank for rank in members]
+            chosen[shifted[0]] = shifted
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -344,6 +380,7 @@ def _simulate_here(request: _Request, rank: int, classes: bool) -> dict[str, Any
         "figures": None if outcome.figures is None else asdict(outcome.figures),
         "classes": outcome.classes,
         "log": outcome.log,
+        "pipeline": outcome.pipeline,
         "total_param_bytes": target.total_bytes,
         "seconds": time.perf_counter() - start,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -419,6 +456,7 @@ class _Outcome:
     figures: RankPlan | None = None
     log: list[str] = field(default_factory=list)
     classes: list[list[int]] = field(default_factory=list)
+    pipeline: dict[str, Any] | None = None
 
 
 @dataclass
@@ -437,21 +475,27 @@ class _Simulation:
             outcome.error = f"rank {rank} is not a rank of a {self.world_size}-rank job."
             return outcome
         with _fake_process_group(rank, self.world_size), _captured_log() as log:
+            stages: _Stages | None = None
             try:
                 model = self.target.build()
                 checkpoint = self._checkpoint_plan(model)
                 context = MeshContext.build(**self.layout)
-                model = parallelizer_for(model).parallelize(model, context)
+                if context.pipeline is not None:
+                    stages = _Stages.build(model, context)
+                    model = stages.modules
+                else:
+                    model = parallelizer_for(model).parallelize(model, context)
             except (ValueError, RuntimeError, TypeError, NotImplementedError) as error:
                 outcome.error = str(error)
                 return outcome
             read_bytes = None
             if checkpoint is not None:
-                read_bytes = count_reads(model, checkpoint.keys.sources)
+                read_bytes = stages.reads(checkpoint) if stages else count_reads(model, checkpoint.keys.sources)
                 checkpoint.files.close()
-            outcome.figures = self._figures(rank, model, context, read_bytes)
+            outcome.figures = self._figures(rank, model, context, read_bytes, stages)
             outcome.classes = rank_classes(model, self.world_size) if classes else []
             outcome.log = list(log)
+            outcome.pipeline = stages.facts(context) if stages else None
         return outcome
 
     def _checkpoint_plan(self, model: nn.Module):
@@ -461,7 +505,9 @@ class _Simulation:
 
         return plan_checkpoint(model, self.target.directory)
 
-    def _figures(self, rank: int, model: nn.Module, context: MeshContext, read_bytes: int | None) -> RankPlan:
+    def _figures(
+        self, rank: int, model: nn.Module, context: MeshContext, read_bytes: int | None, stages: _Stages | None
+    ) -> RankPlan:
         params = list(model.parameters())
         local = [(local_view(p).numel() * p.element_size(), p) for p in params]
         trainable = [(size, p) for size, p in local if p.requires_grad]
@@ -469,7 +515,7 @@ class _Simulation:
         optimizer = sum(local_view(p).numel() for _, p in trainable) * _OPTIMIZER_STATE_BYTES[self.optimizer]
         padded, largest_gather = _fsdp_sizes(model, params)
         activations = _activation_estimate(
-            context, self.target.config, self.micro_batch_size, self.seq_len, self.target.dtype
+            context, self.target.config, self.micro_batch_size, self.seq_len, self.target.dtype, stages
         )
         # Two all-gather buffers: the unit running and the one prefetched.
         peak = padded + grad_bytes + optimizer + 2 * largest_gather + (activations or 0)
@@ -484,7 +530,50 @@ class _Simulation:
             largest_gather_bytes=largest_gather,
             activation_bytes_estimate=activations,
             peak_bytes_estimate=peak,
+            pipeline_stages=None if stages is None else list(context.pipeline.local_stages),
+            pipeline_layers=None if stages is None else stages.local_layers(context),
+            in_flight_microbatches=None if stages is None else context.pipeline.in_flight(),
         )
+
+
+@dataclass
+class _Stages:
+    """This rank's pipeline stages, parallelized on meta as the real load builds them."""
+
+    modules: nn.ModuleList
+    split: Any  # automodel.loading.pipeline_stages.StageSplit
+    aliases: dict[str, str]
+
+    @classmethod
+    def build(cls, model: nn.Module, context: MeshContext) -> _Stages:
+        from automodel.loading.pipeline_stages import parallelized_stage, split_into_stages, tied_aliases
+
+        split = split_into_stages(model, context)
+        stages = [parallelized_stage(model, split, index, context) for index in context.pipeline.local_stages]
+        return cls(nn.ModuleList(stages), split, tied_aliases(model))
+
+    def reads(self, checkpoint) -> int:
+        from automodel.loading.pipeline_stages import stage_checkpoint_plan
+
+        return sum(
+            count_reads(stage, stage_checkpoint_plan(checkpoint, stage, self.aliases).keys.sources)
+            for stage in self.modules
+        )
+
+    def local_layers(self, context: MeshContext) -> int:
+        return sum(self.split.layer_counts[index] for index in context.pipeline.local_stages)
+
+    def facts(self, context: MeshContext) -> dict[str, Any]:
+        layout = context.pipeline
+        return {
+            "schedule": layout.schedule,
+            "stages": layout.num_stages,
+            "ranks": layout.size,
+            "virtual_stages": layout.virtual_stages,
+            "microbatches": layout.microbatches,
+            "layers_per_stage": list(self.split.layer_counts),
+            "bubble": layout.ideal_bubble(),
+        }
 
 
 @contextlib.contextmanager
@@ -531,8 +620,11 @@ def _activation_estimate(
     micro_batch_size: int | None,
     seq_len: int | None,
     dtype: torch.dtype,
+    stages: _Stages | None = None,
 ) -> int | None:
-    """Activation bytes kept for backward by one micro batch (``docs/plan.md``: the formula and what it leaves out).
+    """Activation bytes kept for backward by one micro batch (``docs/plan.md``: the formula and what it leaves out);
+    under PP, by the microbatches in flight on this rank, over its stages' layers (the logits on the last stage's
+    rank: one microbatch's, or every microbatch's under GPipe, which runs all forwards first).
 
     Per token of this rank's sequence (``seq_len / cp``) and per layer, in the compute dtype: about ``10 H`` for
     attention (norm, q / k / v inputs and outputs, scores' output, output projection) and ``4 I`` for the MLP (gate,
@@ -554,13 +646,20 @@ def _activation_estimate(
     hidden_terms = 10 * hidden / (tp if context.sequence_parallel else 1)
     per_layer = tokens * element * (hidden_terms + 4 * width / tp)
     mode = context.activation_checkpointing
+    in_flight, logits_kept = 1.0, 1
+    if stages is not None:
+        layout = context.pipeline
+        layers, in_flight = stages.local_layers(context), layout.in_flight()
+        logits_kept = 0
+        if layout.num_stages - 1 in layout.local_stages:
+            logits_kept = layout.microbatches if layout.schedule == "gpipe" else 1
     if mode == "full":
-        kept = layers * tokens * element * hidden + per_layer
+        kept = in_flight * layers * tokens * element * hidden + per_layer
     elif mode == "selective":
-        kept = layers * per_layer / 2
+        kept = in_flight * layers * per_layer / 2
     else:
-        kept = layers * per_layer
-    logits = tokens * 4 * text.vocab_size / tp
+        kept = in_flight * layers * per_layer
+    logits = logits_kept * tokens * 4 * text.vocab_size / tp
     return int(kept + logits)
 
 

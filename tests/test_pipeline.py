@@ -45,6 +45,15 @@ def test_pp2_composes_with_fsdp2_and_tp_on_4_ranks(ranks4, model_type, inner):
         _check(result)
 
 
+@pytest.mark.parametrize("inner", [{"ep_size": 2}, {"ep_size": 2, "tp_size": 2}], ids=["pp2_ep2", "pp2_ep2_tp2"])
+def test_mixtral_under_pp2_x_ep2_on_4_ranks(ranks4, inner):
+    """Expert parallelism within each stage group: the experts of a stage's layers split over its 2 ranks."""
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b", **inner}
+    for result in ranks4.run(pipeline.pipeline_parity, "mixtral", layout, None):
+        _check(result)
+        assert "ep" in result["expert_axes"], result["expert_axes"]
+
+
 def test_nemotron_h_with_its_sidecar_under_pp2_x_fsdp2(ranks4):
     """The hybrid (Mamba-2, attention, MLP, MoE blocks) through its sidecar's parallelizer, per stage."""
     layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
@@ -104,9 +113,10 @@ def test_impossible_pipelines_are_refused_on_every_rank(ranks2, ranks4, layout, 
     assert expected in messages[0], messages[0]
 
 
-def test_padding_masks_and_positions_reach_every_stage(ranks2):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_padding_masks_and_positions_reach_every_stage(ranks2, packed):
     layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
-    for result in ranks2.run(pipeline.masked_batch_parity, layout):
+    for result in ranks2.run(pipeline.masked_batch_parity, layout, packed):
         assert max(result["loss"], result["grad"]) <= TOLERANCE, result
 
 

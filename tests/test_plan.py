@@ -32,21 +32,26 @@ LAYOUTS = {
     "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
     "ep2": (4, {"strategy": "fsdp2", "ep_size": 2}),
     "ep2_tp2": (4, {"strategy": "fsdp2", "ep_size": 2, "tp_size": 2}),
+    "pp2": (2, {"strategy": "fsdp2", "pp_size": 2}),
+    "pp2_fsdp2": (4, {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4}),
+    "pp2_tp2": (4, {"strategy": "fsdp2", "pp_size": 2, "tp_size": 2}),
 }
 MODELS = ("llama_uneven", "qwen3_moe", "nemotron_h")
 EP = {"ep2", "ep2_tp2"}
-QUICK = {("llama_uneven", "fsdp2_tp2"), ("qwen3_moe", "ep2"), ("nemotron_h", "fsdp2")}
+QUICK = {("llama_uneven", "fsdp2_tp2"), ("qwen3_moe", "ep2"), ("nemotron_h", "fsdp2"), ("llama_uneven", "pp2_fsdp2")}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    folders = {name: tmp_path_factory.mktemp(name) for name in (*MODELS, "three_heads", "three_experts", "qwen3_vl")}
+    extra = ("three_heads", "three_experts", "qwen3_vl", "llama_4_layers")
+    folders = {name: tmp_path_factory.mktemp(name) for name in (*MODELS, *extra)}
     save_tiny_checkpoint("llama_uneven", folders["llama_uneven"])
     save_tiny_checkpoint("qwen3_moe", folders["qwen3_moe"])
     save_nemotron_h(str(folders["nemotron_h"]))
     save_tiny_checkpoint("llama", folders["three_heads"], num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
     save_tiny_checkpoint("qwen3_moe", folders["three_experts"], num_experts=3)
     save_tiny_vlm("qwen3_vl", folders["qwen3_vl"])
+    save_tiny_checkpoint("llama", folders["llama_4_layers"], num_hidden_layers=4)
     return {name: str(folder) for name, folder in folders.items()}
 
 
@@ -185,6 +190,41 @@ def test_a_recipe_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_a_pipeline_layout_is_refused_until_plan_reports_stages():
-    with pytest.raises(ValueError, match="does not report pipeline-parallel layouts yet"):
-        plan("unused", world_size=4, layout={"strategy": "fsdp2", "pp_size": 2})
+@pytest.mark.parametrize(
+    ("schedule", "virtual", "in_flight", "bubble"),
+    [("1f1b", 1, [2.0, 1.0], 1 / 5), ("gpipe", 1, [4.0, 4.0], 1 / 5), ("interleaved_1f1b", 2, [2.5, 1.5], 1 / 9)],
+)
+def test_a_pipeline_plan_reports_stages_layers_in_flight_microbatches_and_the_bubble(
+    checkpoints, schedule, virtual, in_flight, bubble
+):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_schedule": schedule, "pp_virtual_stages": virtual}
+    planned = plan(
+        checkpoints["llama_4_layers"],
+        world_size=4,
+        layout={**layout, "pp_microbatches": 4},
+        dtype="fp32",
+        micro_batch_size=1,
+        seq_len=16,
+    )
+    assert planned.ok, planned.error
+    stages = 2 * virtual
+    assert planned.pipeline["stages"] == stages and planned.pipeline["bubble"] == pytest.approx(bubble)
+    assert sum(planned.pipeline["layers_per_stage"]) == 4
+    by_pipeline_rank = {result.rank // 2: result for result in planned.ranks}
+    assert sorted(by_pipeline_rank) == [0, 1]
+    assert [by_pipeline_rank[p].in_flight_microbatches for p in (0, 1)] == in_flight
+    assert by_pipeline_rank[1].pipeline_stages == list(range(1, stages, 2))
+    # The first stage's rank holds more microbatches in flight, over its layers; the last one the logits.
+    assert all(result.activation_bytes_estimate > 0 for result in planned.ranks)
+    table = planned.table()
+    assert f"pipeline: {schedule}, {stages} stages over 2 pipeline ranks, 4 microbatches" in table, table
+    assert f"ideal bubble {bubble:.1%}" in table and "in flight)" in table, table
+
+
+def test_a_pipeline_layout_the_run_refuses_is_refused_by_the_plan_with_its_message(checkpoints):
+    planned = plan(
+        checkpoints["llama_uneven"],
+        world_size=4,
+        layout={"strategy": "fsdp2", "pp_size": 4, "pp_virtual_stages": 2, "pp_schedule": "interleaved_1f1b"},
+    )
+    assert not planned.ok and "pipeline stages" in planned.error, planned.error

@@ -191,3 +191,19 @@ def test_validation_loss_tokens_per_second_and_mfu_in_the_log(ranks2, chat_check
     steps = [message for message in result["log"] if message.startswith("step ") and "tokens/s" in message]
     assert len(steps) == 10 and all("| MFU " in message for message in steps), steps[:2]
     assert any(message.startswith("step 10 | eval loss") for message in result["log"])
+
+
+def test_a_validation_pass_leaves_the_training_steps_after_it_unchanged(ranks2, chat_checkpoint, tmp_path):
+    """An evaluation (or the packed-attention check before training) runs FSDP2 units forward without a backward:
+    the units that keep their full weights after forward must be resharded after it, or the next step's gradients
+    of those weights differ (they did: step 2 of a packed run differed by 3e-2)."""
+    config = _config(tmp_path, chat_checkpoint)
+    overrides = ["train.max_steps=6", "data.packing=true"]
+    alone = ranks2.run(train_and_report, config, overrides)[0]
+    evaluated = ranks2.run(
+        train_and_report, config, [*overrides, f"data.validation_path={CHAT_DATA}", "train.eval_every_steps=2"]
+    )[0]
+    assert sorted(evaluated["eval_losses"]) == [2, 4, 6]
+    assert evaluated["losses"] == alone["losses"]
+    tensor_parallel = ranks2.run(train, config, [*overrides, "layout.tp_size=2"])[0]  # no FSDP units at all
+    assert max(abs(a - b) for a, b in zip(alone["losses"], tensor_parallel["losses"], strict=True)) < 1e-4

@@ -172,6 +172,18 @@ def _direct_param_owners(module: nn.Module) -> list[tuple[nn.Module, list[nn.Par
     return owners
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Reshard every FSDP2 unit of ``model`` (a no-op for units that are sharded, and for a model without FSDP).
+
+    A forward without gradients (an evaluation, a check before training) leaves the units that do not reshard after
+    forward (the root, ``keep_full_weight`` units) unsharded, as no backward follows to reshard them; the next
+    training step would then run on those parameters instead of FSDP's gather of the shards for that step, and its
+    gradients for them would differ from a step that started resharded. Called after such a forward."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def unshard_for_outside_calls(model: nn.Module) -> int:
     """Let the model call a submodule of an FSDP unit from outside that unit's forward; return the number of guards.
 

@@ -203,7 +203,13 @@ def _meshes(
         else:
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=DENSE_AXES)
         moe_mesh = None
-        if ep_size > 1:  # without PP (check_pipeline refuses EP with it)
+        if ep_size > 1 and pp_size > 1:  # the MoE axes of this rank's stage group, sliced from (pp, ep_shard, ep)
+            per_stage = mesh.size() // pp_size
+            full = init_device_mesh(
+                device_type, (pp_size, per_stage // ep_size, ep_size), mesh_dim_names=("pp", *MOE_AXES)
+            )
+            moe_mesh = full[MOE_AXES]
+        elif ep_size > 1:
             world_size = mesh.size()
             moe_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=MOE_AXES)
         _MESHES[key] = (mesh, _flatten_dense_axes(mesh), moe_mesh, pp_mesh)
@@ -278,7 +284,7 @@ class MeshContext:
         microbatches = 1
         if pp_size > 1:
             microbatches = check_pipeline(
-                strategy, pp_size, pp_schedule, pp_microbatches, pp_virtual_stages, ep_size=ep_size
+                strategy, pp_size, pp_schedule, pp_microbatches, pp_virtual_stages, ep_size=ep_size, cp_size=cp_size
             )
         _ensure_process_group()
         _register_gloo_exit_grace()

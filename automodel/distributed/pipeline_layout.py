@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import DDPConfig, MegatronFSDPConfig, StrategyConfig
 
-__all__ = ["PIPELINE_SCHEDULES", "PipelineLayout", "check_pipeline"]
+__all__ = ["PIPELINE_SCHEDULES", "PipelineLayout", "check_pipeline", "ideal_bubble", "in_flight_microbatches"]
 
 #: Schedule names and whether each runs several (virtual) stages per rank.
 PIPELINE_SCHEDULES: dict[str, bool] = {"gpipe": False, "1f1b": False, "interleaved_1f1b": True}
@@ -51,6 +51,36 @@ class PipelineLayout:
         """The stage indices this rank runs, in order."""
         return [self.rank + k * self.size for k in range(self.virtual_stages)]
 
+    def ideal_bubble(self) -> float:
+        """The idle share of a step with equal stages and free communication: ``(P - 1) / (M + P - 1)`` for GPipe
+        and 1F1B; ``V`` stages per rank (interleaved 1F1B) shrink it to ``(P - 1) / (V M + P - 1)``."""
+        return ideal_bubble(self.schedule, self.size, self.microbatches, self.virtual_stages)
+
+    def in_flight(self, rank: int | None = None) -> float:
+        """The most microbatches whose activations pipeline rank ``rank`` (default: this one) holds at once, in
+        units of all of its stages' layers: GPipe runs every forward before any backward (``M``); 1F1B starts at
+        most ``P - r`` forwards ahead of its backwards; interleaved 1F1B warms up ``(V - 1) P + 2 (P - 1 - r) + 1``
+        stage passes of ``1 / V`` of the rank's layers each (torch's schedule)."""
+        return in_flight_microbatches(
+            self.schedule, self.size, self.microbatches, self.virtual_stages, self.rank if rank is None else rank
+        )
+
+
+def ideal_bubble(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """:meth:`PipelineLayout.ideal_bubble` of a layout given by its numbers."""
+    del schedule  # the same formula for the schedules offered
+    return (ranks - 1) / (virtual_stages * microbatches + ranks - 1)
+
+
+def in_flight_microbatches(schedule: str, ranks: int, microbatches: int, virtual_stages: int, rank: int) -> float:
+    """:meth:`PipelineLayout.in_flight` of a layout given by its numbers."""
+    if schedule == "gpipe":
+        return float(microbatches)
+    if PIPELINE_SCHEDULES.get(schedule):
+        passes = min(virtual_stages * microbatches, (virtual_stages - 1) * ranks + 2 * (ranks - 1 - rank) + 1)
+        return passes / virtual_stages
+    return float(min(microbatches, ranks - rank))
+
 
 def check_pipeline(
     strategy: StrategyConfig,
@@ -59,7 +89,8 @@ def check_pipeline(
     microbatches: int | None,
     virtual_stages: int,
     *,
-    ep_size: int = 1,
+    ep_size: int = 1,  # noqa: ARG001 - EP runs within each stage group (kept for callers passing the whole layout)
+    cp_size: int = 1,
 ) -> int:
     """Raise, naming the option and the fix, for a pipeline layout that cannot run; return the microbatch count
     (``pp_size`` when not given). The same checks on every rank, before any process group or model is touched."""
@@ -81,10 +112,10 @@ def check_pipeline(
             f"pp_schedule={schedule!r} runs one stage per rank, so pp_virtual_stages={virtual_stages} cannot apply: use "
             "pp_schedule='interleaved_1f1b' for virtual stages, or pp_virtual_stages=1."
         )
-    if ep_size > 1:
+    if cp_size > 1:
         raise ValueError(
-            f"pp_size={pp_size} with ep_size={ep_size} is not supported yet: expert parallelism runs without pipeline "
-            "stages. Use pp_size=1, or ep_size=1."
+            f"pp_size={pp_size} with cp_size={cp_size} is not supported yet: a pipeline step takes whole sequences (no "
+            "context-parallel shards). Use pp_size=1 for context parallelism, or cp_size=1."
         )
     microbatches = pp_size if microbatches is None else microbatches
     if not isinstance(microbatches, int) or microbatches < pp_size:

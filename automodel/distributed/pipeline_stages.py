@@ -21,6 +21,7 @@ the last stage count their input and output modules as one layer each.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -328,6 +329,9 @@ class StageForward:
         self.first, self.last = first, last
         self.received: torch.Tensor | None = None
         self.sent: torch.Tensor | None = None
+        # Last stage: return the output head's input instead of the logits (a loss that runs the head itself, e.g.
+        # the chunked cross-entropy); the head then computes one position only, a stand-in the forward discards.
+        self.return_head_input = False
         if not first:
             first_layer.register_forward_pre_hook(self._take_received, with_kwargs=True, prepend=True)
         if not last:
@@ -344,10 +348,22 @@ class StageForward:
         else:
             self.received = inputs
             kwargs["inputs_embeds"] = inputs
+        captured: list[torch.Tensor] = []
+        handle = None
+        if self.last and self.return_head_input:
+            handle = self.model.get_output_embeddings().register_forward_pre_hook(
+                functools.partial(_capture_input, captured), prepend=True
+            )
         try:
             output = self.model_forward(self.model, **kwargs)
         finally:
             self.received = None
+            if handle is not None:
+                handle.remove()
+        if handle is not None:
+            if len(captured) != 1:
+                raise RuntimeError(f"The output head ran {len(captured)} times in one forward of the last stage.")
+            return captured[0]
         if self.last:
             return output.logits
         sent, self.sent = self.sent, None
@@ -362,3 +378,9 @@ class StageForward:
 
     def _keep_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.sent = output[0] if isinstance(output, tuple) else output
+
+
+def _capture_input(captured: list[torch.Tensor], module: nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook of the output head: keep its input, and let the head compute the first position only."""
+    captured.append(args[0])
+    return (args[0][..., :1, :], *args[1:])

@@ -6,6 +6,11 @@ the whole batch), the same on every rank. Each microbatch's loss is its summed t
 token count, and the schedule sums them (``scale_grads=False``), so gradients are those of the batch's mean loss
 whatever the split. ``eval_step(**batch)`` runs the forward only.
 
+A loss that runs the output head itself (the recipes' chunked cross-entropy) is passed as ``head_loss``: the last
+stage then hands it the head's input instead of the logits. Each step also measures the pipeline's bubble: the share
+of the step each rank spends outside its stages' forward and backward computations (waiting for activations and
+gradients), averaged over the pipeline ranks (``last_bubble``).
+
 Tied embeddings work: the first stage holds the input embedding, the last a copy of it as the head's weight (both
 loaded from the same checkpoint tensor); after each backward their gradients are summed between the two stages
 (Megatron's embedding group), so both take the same optimizer step and stay equal.
@@ -13,6 +18,8 @@ loaded from the same checkpoint tensor); after each backward their gradients are
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -26,7 +33,14 @@ from .parallel_model import ParallelizedModel
 from .pipeline_layout import PipelineLayout
 from .runtime import full_tensor
 
-__all__ = ["PipelinedModel", "pipeline_norm_group"]
+__all__ = ["HeadLoss", "PipelinedModel", "pipeline_norm_group"]
+
+# ``head_loss(last_stage, head_input, shifted_targets, num_items)``: one microbatch's loss from the output head's input
+# (``[rows, seq, hidden]``) and the targets already shifted (position ``t`` predicts ``shifted_targets[:, t]``, ``-100``
+# ignored): its summed token losses over ``num_items``. ``last_stage`` is the stage module holding the head.
+HeadLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The methods of torch's ``PipelineStage`` that compute (the rest of a schedule's time is waiting and sending).
+_COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 _IGNORE_INDEX = -100
 # The attribute a pipelined model's parameters carry: (the ``pp`` process group, whether their gradient counts in a
@@ -83,14 +97,17 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         self.stage_indices = list(stage_indices)
         self.config = getattr(stages[0], "config", None)
         self._group = layout.mesh.get_group()
-        self._tokens: torch.Tensor | None = None
         self._device = device
         self._schedule: Any = None
-        self._shape: tuple[int, ...] | None = None
+        self._schedule_key: tuple | None = None
+        self._num_items: torch.Tensor | None = None
+        self._head_loss: HeadLoss | None = None
+        self._busy = 0.0
+        self.last_bubble: float | None = None  # the last step's idle share, averaged over the pipeline ranks
         self._is_first = 0 in stage_indices
         self._is_last = layout.num_stages - 1 in stage_indices
-        self._last_rank = dist.get_global_rank(self._group, (layout.num_stages - 1) % layout.size)
         self._tied = self._tied_pairs(tied)
+        self._tied_names = list(tied)
         # Every rank creates every embedding group (new_group is collective), whether it holds a tied pair or not.
         self._embedding_group = _embedding_group(layout) if tied else None
         self._owners = self._tensor_owners()
@@ -142,6 +159,22 @@ class PipelinedModel(ParallelizedModel, nn.Module):
                 f"no local stage {sorted(unexpected)[:10]}."
             )
         return IncompatibleKeys(missing, sorted(unexpected))
+
+    def state_module(self) -> nn.Module:
+        """This rank's stage parts as one module tree whose state names are transformers' names: what
+        ``torch.distributed.checkpoint`` saves and loads (``get_state_dict(model.state_module(), optimizer)``), so a
+        training checkpoint of a pipelined run has the keys of one without PP and resumes with any layout.
+
+        Modules that several local stages hold parts of (``model``, ``model.layers``) are parameter-free containers
+        of their parts; the real modules are the stages' own. On the last stage, a tied head's copy also answers to
+        its embedding's name (as a tied model's head does), so its weight and optimizer state are saved and loaded
+        under the embedding's key, the same values the first stage holds."""
+        view = _merged(list(self.stages))
+        if self._is_last and not self._is_first and self._tied_names:
+            view = _container(view, children=True)  # never add to a stage's own modules
+            for embedding, head in self._tied_names:
+                _place(view, embedding, view.get_parameter(head))
+        return view
 
     # -- exporting it --------------------------------------------------------------------------------------------------
 
@@ -201,11 +234,17 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        num_items_in_batch: torch.Tensor | None = None,
+        head_loss: HeadLoss | None = None,
     ) -> torch.Tensor:
         """Forward and backward of the batch (every rank passes the same batch of its data-parallel replica) over
         the layout's microbatches; gradients accumulate into ``.grad`` as after ``loss.backward()``. Returns the
-        batch's mean token loss (detached), the same on every rank of the pipeline."""
-        return self._run(True, input_ids, labels, attention_mask, position_ids)
+        batch's summed token losses over ``num_items_in_batch`` (default: the batch's own token count, i.e. its mean
+        token loss; a data-parallel loop passes its global count over the ranks gradients are averaged over),
+        detached, the same on every rank of the pipeline. ``head_loss`` replaces the cross-entropy on the logits
+        (see :data:`HeadLoss`)."""
+        return self._run(True, input_ids, labels, attention_mask, position_ids, num_items_in_batch, head_loss)
 
     def eval_step(
         self,
@@ -213,9 +252,12 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        num_items_in_batch: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The batch's mean token loss without gradients, the same on every rank of the pipeline."""
-        return self._run(False, input_ids, labels, attention_mask, position_ids)
+        """The batch's summed token losses over ``num_items_in_batch`` (default: its mean token loss) without
+        gradients, the same on every rank of the pipeline."""
+        return self._run(False, input_ids, labels, attention_mask, position_ids, num_items_in_batch, None)
 
     def _run(
         self,
@@ -224,6 +266,8 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
+        num_items: torch.Tensor | None,
+        head_loss: HeadLoss | None,
     ) -> torch.Tensor:
         rows, microbatches = input_ids.shape[0], self.layout.microbatches
         if rows % microbatches:
@@ -233,49 +277,82 @@ class PipelinedModel(ParallelizedModel, nn.Module):
             )
         # transformers' causal-LM loss: position t predicts labels[t + 1]; shifted here once for the whole batch.
         shifted = torch.cat([labels[:, 1:], labels.new_full((rows, 1), _IGNORE_INDEX)], dim=1)
-        self._tokens = (shifted != _IGNORE_INDEX).sum().clamp(min=1)
+        if num_items is None:
+            num_items = (shifted != _IGNORE_INDEX).sum().clamp(min=1)
+        self._num_items = torch.as_tensor(num_items, device=self._device)
         kwargs = {
             key: value
             for key, value in (("attention_mask", attention_mask), ("position_ids", position_ids))
             if value is not None
         }
-        if tuple(input_ids.shape) != self._shape:
-            self._new_schedule(tuple(input_ids.shape))
+        key = (tuple(input_ids.shape), head_loss is not None)
+        if key != self._schedule_key:
+            self._new_schedule(key)
+        self._head_loss = head_loss
         args = (input_ids,) if self._is_first else ()
         target = shifted if self._is_last else None
         losses: list[torch.Tensor] = []
-        if train:
-            self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-            self._sum_tied_gradients()
-        else:
-            with torch.no_grad():
-                self._schedule.eval(*args, target=target, losses=losses, **kwargs)
+        self._busy, start = 0.0, time.perf_counter()
+        try:
+            if train:
+                self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+                self._sum_tied_gradients()
+            else:
+                with torch.no_grad():
+                    self._schedule.eval(*args, target=target, losses=losses, **kwargs)
+        finally:
+            self._head_loss = None
+        idle = max(0.0, 1.0 - self._busy / max(time.perf_counter() - start, 1e-9))
         loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), dtype=torch.float32)
-        loss = loss.to(self._device)
-        dist.broadcast(loss, src=self._last_rank, group=self._group)
-        return loss.cpu()
+        # One collective for both: the loss (only the last stage's rank holds it: the others add zeros, exactly) and
+        # the idle shares of all pipeline ranks.
+        facts = torch.stack([loss.double().cpu(), torch.tensor(idle, dtype=torch.float64)]).to(self._device)
+        dist.all_reduce(facts, group=self._group)
+        self.last_bubble = facts[1].item() / self.layout.size
+        return facts[0].float().cpu()
 
-    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """One microbatch's summed token losses over the whole batch's token count (transformers upcasts the
-        logits to float32 for its loss)."""
-        flat = logits.float().reshape(-1, logits.shape[-1])
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """One microbatch's summed token losses over ``num_items`` (transformers upcasts the logits to float32 for
+        its loss), or ``head_loss`` on the head's input."""
+        if self._head_loss is not None:
+            return self._head_loss(self._last_stage(), output, target, self._num_items)
+        flat = output.float().reshape(-1, output.shape[-1])
         summed = F.cross_entropy(flat, target.reshape(-1), ignore_index=_IGNORE_INDEX, reduction="sum")
-        return summed / self._tokens
+        return summed / self._num_items
 
-    def _new_schedule(self, shape: tuple[int, ...]) -> None:
-        """Stages and a schedule for batches of ``shape``: torch's stages size their send and receive buffers from
-        the first microbatch they run and keep them, so a batch of another shape gets new ones (and runs one
-        metadata forward of its first microbatch)."""
+    def _last_stage(self) -> nn.Module:
+        return self.stages[self.stage_indices.index(self.layout.num_stages - 1)]
+
+    def _new_schedule(self, key: tuple[tuple[int, ...], bool]) -> None:
+        """Stages and a schedule for batches of one shape and output (logits, or the head's input for a
+        ``head_loss``): torch's stages size their send and receive buffers from the first microbatch they run and
+        keep them, so a batch of another shape gets new ones (and runs one metadata forward of its first
+        microbatch)."""
         from torch.distributed.pipelining import PipelineStage
 
+        shape, head_input = key
+        if self._is_last:
+            self._last_stage().forward.return_head_input = head_input
         stages = [
             PipelineStage(stage, index, self.layout.num_stages, self._device, group=self._group)
             for stage, index in zip(self.stages, self.stage_indices, strict=True)
         ]
+        for stage in stages:
+            for name in _COMPUTE_METHODS:
+                if hasattr(stage, name):
+                    setattr(stage, name, functools.partial(self._timed, getattr(stage, name)))
         schedule = _schedule_class(self.layout.schedule)
         target = stages if self.layout.virtual_stages > 1 else stages[0]
         self._schedule = schedule(target, self.layout.microbatches, loss_fn=self._loss, scale_grads=False)
-        self._shape = shape
+        self._schedule_key = key
+
+    def _timed(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one of a stage's compute methods, adding its time to this step's busy time."""
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self._busy += time.perf_counter() - start
 
     # -- tied embeddings ------------------------------------------------------------------------------------------------
 
@@ -307,3 +384,46 @@ def _embedding_group(layout: PipelineLayout) -> Any:
         if dist.get_rank() in ranks:
             mine = group
     return mine
+
+
+def _is_stand_in(module: nn.Module | None) -> bool:
+    return module is None or getattr(module, "absent_from_stage", False)
+
+
+def _merged(modules: list[nn.Module]) -> nn.Module | None:
+    """The part of one module path that ``modules`` (the same path in each local stage) really hold: the module
+    itself when one stage holds it, else a container of its merged children (tensors of its own, such as shared
+    buffers, from the first)."""
+    real = [module for module in modules if not _is_stand_in(module)]
+    if len(real) <= 1:
+        return real[0] if real else None
+    container = _container(real[0], children=False)
+    for name in real[0]._modules:
+        child = _merged([module._modules.get(name) for module in real])
+        if child is not None:
+            container._modules[name] = child
+    return container
+
+
+def _container(module: nn.Module, *, children: bool) -> nn.Module:
+    """A plain module holding ``module``'s own parameters and buffers (and its children when ``children``), so
+    that it can be added to without changing ``module``."""
+    container = nn.Module()
+    container._parameters.update(module._parameters)
+    container._buffers.update(module._buffers)
+    container._non_persistent_buffers_set.update(module._non_persistent_buffers_set)
+    if children:
+        container._modules.update(module._modules)
+    return container
+
+
+def _place(view: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register ``param`` under the dotted ``name`` in ``view``, in containers (not in the stages' own modules)."""
+    *path, leaf = name.split(".")
+    node = view
+    for part in path:
+        child = node._modules.get(part)
+        child = nn.Module() if _is_stand_in(child) else _container(child, children=True)
+        node._modules[part] = child
+        node = child
+    node._parameters[leaf] = param

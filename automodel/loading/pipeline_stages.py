@@ -28,7 +28,14 @@ from .sharded_loader import LoadReport, state_tensors
 if TYPE_CHECKING:
     from .pipeline import Loaded
 
-__all__ = ["load_pipeline_stages"]
+__all__ = [
+    "StageSplit",
+    "load_pipeline_stages",
+    "parallelized_stage",
+    "split_into_stages",
+    "stage_checkpoint_plan",
+    "tied_aliases",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,32 +52,13 @@ def load_pipeline_stages(
     from automodel.loading.pipeline import Loaded  # the loading pipeline's result type (it imports this module)
 
     layout = context.pipeline
-    roles, error = None, None
-    try:
-        roles = pipeline_roles(model)
-        counts = stage_layer_counts(roles.num_layers, layout.num_stages)
-    except ValueError as exc:
-        error = exc
-    agree_or_raise(error, f"Splitting {type(model).__name__} into {layout.num_stages} pipeline stages")
-    bounds = [sum(counts[:index]) for index in range(len(counts) + 1)]
-    log_rank_zero(
-        logger,
-        "pipeline: %d stages over pp=%d (%s, %d microbatches), decoder layers per stage %s",
-        layout.num_stages,
-        layout.size,
-        layout.schedule,
-        layout.microbatches,
-        counts,
-    )
-    aliases = {name: group[0] for group in tied_parameter_names(model) for name in group}
-    tied = _split_ties(model, roles)
+    split = split_into_stages(model, context)
+    aliases = tied_aliases(model)
+    tied = _split_ties(model, split.roles)
     stages, report = [], LoadReport()
     for position, index in enumerate(layout.local_stages):
         last_local = position == len(layout.local_stages) - 1
-        stage = build_stage(
-            model, roles, range(bounds[index], bounds[index + 1]), first=index == 0, last=index == layout.num_stages - 1
-        )
-        stage = parallelizer_for(model).parallelize(stage, context)
+        stage = parallelized_stage(model, split, index, context)
         allocated = materialize(stage, device_of(context))
         stage_report, error = LoadReport(), None
         try:
@@ -102,7 +90,7 @@ def _fill_stage(
 ) -> LoadReport:
     """Fill one materialized stage from the checkpoint, full in-memory weights, or the model's own init."""
     if plan is not None:
-        stage_plan = _stage_plan(plan, stage, aliases)
+        stage_plan = stage_checkpoint_plan(plan, stage, aliases)
         return load_checkpoint(stage, stage_plan, progress=progress, allocated=allocated, close=close)
     if weights is not None:
         own = {name: weights[aliases.get(name, name)] for name in _names(stage) if aliases.get(name, name) in weights}
@@ -128,7 +116,55 @@ def _split_ties(model: nn.Module, roles: PipelineRoles) -> list[tuple[str, str]]
     return pairs
 
 
-def _stage_plan(plan: CheckpointPlan, stage: nn.Module, aliases: dict[str, str]) -> CheckpointPlan:
+@dataclasses.dataclass(frozen=True)
+class StageSplit:
+    """How a model is cut: its pipeline roles and the decoder layers of each stage (``layers[index]``)."""
+
+    roles: PipelineRoles
+    layer_counts: list[int]
+
+    def layers(self, index: int) -> range:
+        start = sum(self.layer_counts[:index])
+        return range(start, start + self.layer_counts[index])
+
+
+def split_into_stages(model: nn.Module, context: MeshContext) -> StageSplit:
+    """Collective: ``model``'s (on meta) split into ``context.pipeline``'s stages, logged on rank 0; what cannot be
+    split raises on every rank with the same message."""
+    layout = context.pipeline
+    split, error = None, None
+    try:
+        roles = pipeline_roles(model)
+        split = StageSplit(roles, stage_layer_counts(roles.num_layers, layout.num_stages))
+    except ValueError as exc:
+        error = exc
+    agree_or_raise(error, f"Splitting {type(model).__name__} into {layout.num_stages} pipeline stages")
+    log_rank_zero(
+        logger,
+        "pipeline: %d stages over pp=%d (%s, %d microbatches), decoder layers per stage %s",
+        layout.num_stages,
+        layout.size,
+        layout.schedule,
+        layout.microbatches,
+        split.layer_counts,
+    )
+    return split
+
+
+def parallelized_stage(model: nn.Module, split: StageSplit, index: int, context: MeshContext) -> nn.Module:
+    """Stage ``index`` of ``model`` (on meta), parallelized by the model's parallelizer on this rank's stage
+    group's meshes."""
+    last = index == context.pipeline.num_stages - 1
+    stage = build_stage(model, split.roles, split.layers(index), first=index == 0, last=last)
+    return parallelizer_for(model).parallelize(stage, context)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Every tied parameter name -> its group's first name (the one a checkpoint stores)."""
+    return {name: group[0] for group in tied_parameter_names(model) for name in group}
+
+
+def stage_checkpoint_plan(plan: CheckpointPlan, stage: nn.Module, aliases: dict[str, str]) -> CheckpointPlan:
     """``plan`` restricted to ``stage``'s tensors; a tied name the split separated (the head's weight on the last
     stage) reads its group's checkpoint tensor."""
     names = {name for name, _ in state_tensors(stage)}

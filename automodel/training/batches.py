@@ -12,7 +12,7 @@ import torch
 from .data import IGNORE_INDEX, Example, _check_positive
 from .vlm import collate_media
 
-__all__ = ["DistributedBatchLoader"]
+__all__ = ["DistributedBatchLoader", "joined_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,13 @@ class DistributedBatchLoader:
         if positions is not None:
             batch["position_ids"] = positions
         return {**batch, **collate_media(examples, self._seq_len)}
+
+
+def joined_batch(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A pipeline step's inputs: the micro batches' ids, labels and packed positions, one row after another (the
+    schedule splits them into its microbatches again)."""
+    keys = [key for key in ("input_ids", "labels", "position_ids") if key in micro_batches[0]]
+    return {key: torch.cat([batch[key] for batch in micro_batches]) for key in keys}
 
 
 def _epoch_permutation(size: int, seed: int, epoch: int) -> list[int]:

@@ -1,5 +1,5 @@
 """Training checkpoints with ``torch.distributed.checkpoint``: atomic, resumed from the newest complete one,
-reshardable (saved with one layout, resumed with another).
+reshardable (saved with one layout, resumed with another, pipeline-parallel or not: the keys are transformers' names).
 
 Layout of ``checkpoint.dir``::
 
@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from automodel.distributed.pipelined_model import PipelinedModel
 
 __all__ = ["LATEST", "TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -72,7 +74,7 @@ def save_checkpoint(
         for stale in directory.glob("*.partial"):
             shutil.rmtree(stale)
     dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(_state_module(model), optimizer, options=_FLAT_OPTIMIZER)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
     if dist.get_rank() == 0:
         torch.save(vars(state), partial / _TRAINER_STATE)
@@ -100,32 +102,55 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     """Load model and optimizer from ``path`` into the live (possibly differently sharded) objects; return the
     trainer state."""
     path = Path(path)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    _drop_state_never_saved(optimizer_state, path)
+    module = _state_module(model)
+    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    # Checkpoints written before the optimizer state was saved flat keep its nested form.
+    flat = not any(key.startswith(_NESTED_GROUPS) for key in saved)
+    options = _FLAT_OPTIMIZER if flat else StateDictOptions()
+    model_state, optimizer_state = get_state_dict(module, optimizer, options=options)
+    _drop_state_never_saved(optimizer_state, saved, flat=flat)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(module, state["model"])
     # Not strict: the state of parameters that had none when saved is left out on purpose (above).
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(
+        module,
+        optimizer,
+        state["optimizer"],
+        options=StateDictOptions(strict=False, flatten_optimizer_state_dict=flat),
+    )
     saved = torch.load(path / _TRAINER_STATE, weights_only=True)
     return TrainerState(**saved)
 
 
+def _state_module(model: nn.Module) -> nn.Module:
+    """The module whose state names a checkpoint uses: transformers' names on every layout (a pipelined model's
+    ``state_module()`` gives its stages' parts under them), so a checkpoint resumes with another layout."""
+    return model.state_module() if isinstance(model, PipelinedModel) else model
+
+
+# The optimizer state is saved flat (``state.<name>.exp_avg``, ``param_groups.<name>.lr``: keyed by parameter name,
+# not by a group's index), as ranks holding different parameters need: pipeline stages' param groups would otherwise
+# be saved under the same ``param_groups.0`` key with different contents.
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 _OPTIMIZER_STATE = "optimizer.state."
+_NESTED_GROUPS = "optimizer.param_groups.0."
 
 
-def _drop_state_never_saved(optimizer_state: dict[str, Any], path: Path) -> None:
+def _drop_state_never_saved(optimizer_state: dict[str, Any], saved: set[str], *, flat: bool) -> None:
     """Leave out of the load the optimizer state of parameters that had none when the checkpoint was saved.
 
     ``get_state_dict`` gives a fresh optimizer state for every parameter, but a parameter that never got a gradient
     (a vision tower's final norm whose output the model does not use) had none in the saved run, which AdamW skips
     too: it keeps none after the resume, as in the uninterrupted run.
     """
-    saved = {
-        key[len(_OPTIMIZER_STATE) :].rpartition(".")[0]
-        for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        if key.startswith(_OPTIMIZER_STATE)
-    }
+    names = {key[len(_OPTIMIZER_STATE) :].rpartition(".")[0] for key in saved if key.startswith(_OPTIMIZER_STATE)}
+    if flat:
+        prefix = _OPTIMIZER_STATE.removeprefix("optimizer.")
+        for key in [k for k in optimizer_state if k.startswith(prefix)]:
+            if key[len(prefix) :].rpartition(".")[0] not in names:
+                del optimizer_state[key]
+        return
     states = optimizer_state.get("state", {})
-    for name in [name for name in states if name not in saved]:
+    for name in [name for name in states if name not in names]:
         del states[name]

@@ -75,6 +75,11 @@ class LayoutSection:
     # torch.compile each decoder block (after TP and activation checkpointing, before FSDP2); not with EP or
     # Megatron-FSDP.
     compile: bool = False
+    # Pipeline parallelism: pp_size stage groups (the outermost axis), each running its stages with the axes above;
+    # the schedule runs train.pp_microbatches microbatches per step (docs/parallelisms.md, "Pipeline parallelism").
+    pp_size: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_virtual_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,9 @@ class TrainSection:
     # "chunked": the head and cross-entropy over chunks of loss_chunk_size tokens, never the full logits.
     loss: Literal["model", "chunked"] = "model"
     loss_chunk_size: int = 1024
+    # With layout.pp_size > 1: the microbatches the pipeline schedule runs per step (each rank's share of the global
+    # batch split into equal parts; null: one per train.micro_batch_size rows, the gradient accumulation steps).
+    pp_microbatches: int | None = None
 
 
 @dataclass(frozen=True)
@@ -220,10 +228,12 @@ def check_world_size(config: RecipeConfig, world_size: int) -> None:
     from automodel.distributed.mesh import check_layout
 
     layout, train = config.layout, config.train
+    if layout.pp_size > 1 and world_size % layout.pp_size:
+        raise ConfigError(f"layout.pp_size={layout.pp_size} does not divide the {world_size} processes.")
     try:
         sizes = check_layout(
             layout.strategy,
-            world_size,
+            world_size // layout.pp_size,
             dp_replicate_size=layout.dp_replicate_size,
             tp_size=layout.tp_size,
             cp_size=layout.cp_size,
@@ -238,6 +248,50 @@ def check_world_size(config: RecipeConfig, world_size: int) -> None:
             f"train.global_batch_size={train.global_batch_size} must be a multiple of train.micro_batch_size * the "
             f"data-parallel size = {train.micro_batch_size} * {sizes['dp']} on {world_size} processes."
         )
+    if layout.pp_size > 1:
+        pipeline_microbatches(config, world_size)
+
+
+def pipeline_microbatches(config: RecipeConfig, world_size: int) -> int:
+    """The microbatches a pipelined step runs (``train.pp_microbatches``, by default the gradient accumulation
+    steps), checked against the pipeline and this rank's share of the global batch."""
+    from automodel.distributed.config import strategy_from_name
+    from automodel.distributed.mesh import check_layout
+    from automodel.distributed.pipeline_layout import check_pipeline
+
+    layout, train = config.layout, config.train
+    dp = check_layout(
+        layout.strategy,
+        world_size // layout.pp_size,
+        dp_replicate_size=layout.dp_replicate_size,
+        tp_size=layout.tp_size,
+        cp_size=layout.cp_size,
+        ep_size=layout.ep_size,
+        sequence_parallel=layout.sequence_parallel,
+    )["dp"]
+    rows = train.global_batch_size // dp
+    microbatches = train.pp_microbatches or rows // train.micro_batch_size
+    try:
+        check_pipeline(
+            strategy_from_name(layout.strategy),
+            layout.pp_size,
+            layout.pp_schedule,
+            microbatches,
+            layout.pp_virtual_stages,
+            ep_size=layout.ep_size,
+            cp_size=layout.cp_size,
+        )
+    except ValueError as error:
+        source = "train.pp_microbatches" if train.pp_microbatches else "the gradient accumulation steps"
+        raise ConfigError(
+            f"layout.pp_size={layout.pp_size} ({source}: {microbatches} microbatches): {error}"
+        ) from error
+    if rows % microbatches:
+        raise ConfigError(
+            f"train.pp_microbatches={microbatches} must divide each data-parallel rank's share of the global batch, "
+            f"train.global_batch_size / dp = {train.global_batch_size} / {dp} = {rows} rows."
+        )
+    return microbatches
 
 
 def describe_keys() -> str:
@@ -390,6 +444,16 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError(
             "layout.compile=true compiles decoder blocks with layout.strategy=fsdp2 or ddp and ep_size=1 (the expert "
             "all-to-all breaks a block's graph at every exchange; Megatron-FSDP swaps its buffers in outside it)."
+        )
+    if train.pp_microbatches is not None and train.pp_microbatches < 1:
+        raise ConfigError(f"train.pp_microbatches={train.pp_microbatches} must be at least 1 (or null).")
+    if train.pp_microbatches is not None and config.layout.pp_size == 1:
+        raise ConfigError("train.pp_microbatches is set but layout.pp_size is 1: it applies to pipeline parallelism.")
+    if config.layout.pp_size > 1 and config.lora.rank:
+        raise ConfigError(
+            "lora.rank > 0 with layout.pp_size > 1: the recipes do not train LoRA under pipeline parallelism yet (the "
+            "library does: NeMoAutoModelForCausalLM.from_pretrained(..., peft_config=...) with pp_size). Use "
+            "layout.pp_size=1."
         )
     if train.loss == "chunked" and config.layout.strategy == "megatron_fsdp":
         raise ConfigError("train.loss=chunked runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")

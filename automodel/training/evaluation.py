@@ -11,7 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.distributed import MeshContext
+from automodel.distributed.fsdp import reshard_all
+from automodel.distributed.pipelined_model import PipelinedModel
 
+from .batches import joined_batch
 from .data import IGNORE_INDEX, Example
 from .vlm import collate_media
 
@@ -27,11 +30,13 @@ class ValidationSet:
             raise ValueError("The validation set holds no examples.")
         self.examples, self.micro_batch_size, self.seq_len, self.pad_id = examples, micro_batch_size, seq_len, pad_id
 
-    def batches(self, dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro batches: rows ``dp_rank, dp_rank + dp_size, ...`` of the set, padded to equal counts."""
+    def batches(self, dp_rank: int, dp_size: int, *, groups_of: int = 1) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro batches: rows ``dp_rank, dp_rank + dp_size, ...`` of the set, padded to equal counts
+        (and to a multiple of ``groups_of`` micro batches: a pipeline step's microbatches)."""
         rows = self.examples[dp_rank::dp_size]
         per_rank = math.ceil(len(self.examples) / dp_size)
-        count = math.ceil(per_rank / self.micro_batch_size) * self.micro_batch_size
+        step = self.micro_batch_size * groups_of
+        count = math.ceil(per_rank / step) * step
         # Filler rows carry no loss; a copy of a real example, so that a vision-language model runs its vision
         # tower (whose sharded blocks gather their weights collectively) on every rank.
         first = self.examples[0]
@@ -65,14 +70,25 @@ class ValidationSet:
         device = next(model.parameters()).device
         model.eval()
         totals = torch.zeros(2, device=device, dtype=torch.float64)  # summed token losses, counted tokens
+        dp_rank = context.mesh("dp").get_local_rank()
+        one = torch.ones((), device=device)
         try:
-            for batch in self.batches(context.mesh("dp").get_local_rank(), context.dp_size):
-                counted = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
-                # num_items_in_batch=1: transformers' loss is then the sum of this shard's token losses.
-                output = model(**inputs(batch, context, device), num_items_in_batch=torch.ones((), device=device))
-                totals[0] += output.loss.double()
-                totals[1] += counted.to(device) / context.cp_size  # every CP rank of a dp group holds the batch
+            if isinstance(model, PipelinedModel):  # one schedule step per group of the pipeline's microbatches
+                groups = model.layout.microbatches
+                batches = self.batches(dp_rank, context.dp_size, groups_of=groups)
+                for start in range(0, len(batches), groups):
+                    batch = joined_batch(batches[start : start + groups])
+                    totals[0] += model.eval_step(**batch, num_items_in_batch=one).double().to(device)
+                    totals[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum().to(device)
+            else:
+                for batch in self.batches(dp_rank, context.dp_size):
+                    counted = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+                    # num_items_in_batch=1: transformers' loss is then the sum of this shard's token losses.
+                    output = model(**inputs(batch, context, device), num_items_in_batch=one)
+                    totals[0] += output.loss.double()
+                    totals[1] += counted.to(device) / context.cp_size  # every CP rank of a dp group holds the batch
         finally:
             model.train()
+            reshard_all(model)  # the next training step starts from shards, as after any step
         dist.all_reduce(totals, group=context.mesh("dp_cp").get_group())
         return (totals[0] / totals[1].clamp(min=1)).item()

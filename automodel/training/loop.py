@@ -22,15 +22,16 @@ from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 from automodel.auto_model import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
 from automodel.distributed import FSDP2Config, MeshContext
 from automodel.distributed.context_parallel import shard_batch_for_context_parallel
+from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import log_rank_zero
 from automodel.loading.pipeline import transformers_model
 
-from .batches import DistributedBatchLoader
+from .batches import DistributedBatchLoader, joined_batch
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import ConfigError, LayoutSection, RecipeConfig, validate_vision_language
+from .config import ConfigError, LayoutSection, RecipeConfig, pipeline_microbatches, validate_vision_language
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
-from .loss import LossFunction, ModelLoss, make_loss
+from .loss import ChunkedCrossEntropy, LossFunction, ModelLoss, make_loss
 from .metrics import flops_per_token, model_flops_utilization
 from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedule
 from .packing import check_packed_attention
@@ -67,8 +68,12 @@ class Throughput:
 
 
 def build_mesh_context(config: RecipeConfig) -> MeshContext:
-    """The ``MeshContext`` the layout section describes."""
-    return MeshContext.build(**mesh_arguments(config.layout))
+    """The ``MeshContext`` the layout section describes (under PP with the step's microbatch count)."""
+    arguments = mesh_arguments(config.layout)
+    if config.layout.pp_size > 1:
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        arguments["pp_microbatches"] = pipeline_microbatches(config, world_size)
+    return MeshContext.build(**arguments)
 
 
 def mesh_arguments(layout: LayoutSection) -> dict[str, Any]:
@@ -78,7 +83,7 @@ def mesh_arguments(layout: LayoutSection) -> dict[str, Any]:
         if layout.strategy != "fsdp2":
             raise ValueError("layout.mixed_precision=bf16 is implemented with FSDP2: set layout.strategy=fsdp2.")
         strategy = FSDP2Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return {
+    arguments = {
         "strategy": strategy,
         "dp_replicate_size": layout.dp_replicate_size,
         "tp_size": layout.tp_size,
@@ -88,6 +93,11 @@ def mesh_arguments(layout: LayoutSection) -> dict[str, Any]:
         "activation_checkpointing": layout.activation_checkpointing,
         "compile": layout.compile,
     }
+    if layout.pp_size > 1:
+        arguments.update(
+            pp_size=layout.pp_size, pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.pp_virtual_stages
+        )
+    return arguments
 
 
 def _build_model(config: RecipeConfig, context: MeshContext, kind: str) -> nn.Module:
@@ -186,6 +196,8 @@ def train_step(
     dist.all_reduce(valid, group=context.mesh("dp").get_group())  # on the device: NCCL reduces device tensors only
     averaged_over = context.size("dp_cp")
     num_items = (valid / averaged_over).to(device)
+    if isinstance(model, PipelinedModel):
+        return _pipelined_train_step(model, micro_batches, context, loss_fn, num_items)
     total = torch.zeros((), device=device)
     for index, batch in enumerate(micro_batches):
         if hasattr(model, "set_requires_gradient_sync"):
@@ -196,6 +208,22 @@ def train_step(
         total += loss.detach()
     dist.all_reduce(total, group=context.mesh("dp_cp").get_group())
     return total / averaged_over
+
+
+def _pipelined_train_step(
+    model: PipelinedModel,
+    micro_batches: list[dict[str, torch.Tensor]],
+    context: MeshContext,
+    loss_fn: LossFunction | None,
+    num_items: torch.Tensor,
+) -> torch.Tensor:
+    """One schedule step over this rank's rows (its micro batches, concatenated: the schedule splits them into the
+    layout's microbatches); the same loss normalization as without PP."""
+    batch = joined_batch(micro_batches)
+    head_loss = loss_fn.from_head_input if isinstance(loss_fn, ChunkedCrossEntropy) else None
+    loss = model.train_step(**batch, num_items_in_batch=num_items, head_loss=head_loss).to(num_items.device)
+    dist.all_reduce(loss, group=context.mesh("dp_cp").get_group())
+    return loss / context.size("dp_cp")
 
 
 def model_inputs(batch: dict[str, torch.Tensor], context: MeshContext, device: torch.device) -> dict:
@@ -275,7 +303,18 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
         )
     writer = _tensorboard(config)
     device = next(model.parameters()).device
-    flops = flops_per_token(transformers_model(model), train.seq_len)
+    flops = flops_per_token(_whole_model(model), train.seq_len)
+    if isinstance(model, PipelinedModel):
+        layout = model.layout
+        log_rank_zero(
+            logger,
+            "pipeline: %s over %d stages (%d per rank), %d microbatches per step; ideal bubble %.1f%%",
+            layout.schedule,
+            layout.num_stages,
+            layout.virtual_stages,
+            layout.microbatches,
+            100 * layout.ideal_bubble(),
+        )
     is_main = dist.get_rank() == 0
     last = train.max_steps
     if train.stop_after_steps is not None:
@@ -297,7 +336,8 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
         throughput = Throughput(
             tokens / seconds, model_flops_utilization(tokens / seconds, flops, train.peak_tflops, dist.get_world_size())
         )
-        _log(step + 1, result.losses[-1], lr, norm.item(), throughput, seconds, bar, writer, train.log_every)
+        bubble = model.last_bubble if isinstance(model, PipelinedModel) else None
+        _log(step + 1, result.losses[-1], lr, norm.item(), throughput, seconds, bar, writer, train.log_every, bubble)
         if _should_save(config, step + 1, last) or (stop and config.checkpoint.dir is not None):
             state = TrainerState(
                 step + 1,
@@ -322,6 +362,11 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     if config.export.dir is not None and last == train.max_steps and result.preempted is None:
         result.export_dir = str(_export(config, model, tokenizer))
     return result
+
+
+def _whole_model(model: nn.Module) -> nn.Module:
+    """The whole transformers model (on meta under PP: every stage's parameters, for the FLOP count)."""
+    return model.whole_on_meta if isinstance(model, PipelinedModel) else transformers_model(model)
 
 
 def _model_kind(config: RecipeConfig) -> str:
@@ -376,7 +421,7 @@ def _layout_of(config: RecipeConfig) -> dict:
 def _describe_layout(layout: dict | None) -> str:
     if layout is None:
         return "not recorded"
-    defaults = {"dp_replicate_size": 1, "tp_size": 1, "cp_size": 1, "ep_size": 1}
+    defaults = {"pp_size": 1, "dp_replicate_size": 1, "tp_size": 1, "cp_size": 1, "ep_size": 1}
     shown = [f"{layout.get('strategy')} on {layout.get('world_size')} processes"]
     shown += [f"{key}={value}" for key, value in layout.items() if key in defaults and value != defaults[key]]
     shown += [key for key in ("sequence_parallel",) if layout.get(key)]
@@ -412,25 +457,29 @@ def _should_save(config: RecipeConfig, step: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _log(step, loss, lr, norm, throughput: Throughput, seconds, bar, writer, every) -> None:
+def _log(step, loss, lr, norm, throughput: Throughput, seconds, bar, writer, every, bubble=None) -> None:
     if dist.get_rank() != 0 or step % every:
         return
     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
     mfu = f" | MFU {throughput.mfu:.1%}" if throughput.mfu is not None else ""
+    idle = f" | bubble {bubble:.1%}" if bubble is not None else ""
     logger.info(
-        "step %d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s%s | %.2f s",
+        "step %d | loss %.4f | lr %.3e | grad norm %.3f | %.0f tokens/s%s%s | %.2f s",
         step,
         loss,
         lr,
         norm,
         throughput.tokens_per_s,
         mfu,
+        idle,
         seconds,
     )
     if writer is not None:
         scalars = {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": throughput.tokens_per_s}
         if throughput.mfu is not None:
             scalars["mfu"] = throughput.mfu
+        if bubble is not None:
+            scalars["pipeline_bubble"] = bubble
         for name, value in scalars.items():
             writer.add_scalar(f"train/{name}", value, step)
 

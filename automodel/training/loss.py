@@ -74,10 +74,22 @@ class ChunkedCrossEntropy:
             if labels is None:
                 raise ValueError("The chunked loss needs `labels` (or `shift_labels`) in the model inputs.")
             shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        head = model.get_output_embeddings()
-        with _capture_head_input(head) as captured:
+        with _capture_head_input(model.get_output_embeddings()) as captured:
             model(**inputs)
-        hidden = captured[0]
+        return self.from_head_input(model, captured[0], shift_labels, num_items)
+
+    def from_head_input(
+        self, model: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tensor, num_items: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The loss from the output head's input ``hidden`` and the already shifted labels: what a pipeline's last
+        stage hands over (``PipelinedModel.train_step(..., head_loss=loss.from_head_input)``)."""
+        check_chunked_loss_support(model)
+        if isinstance(hidden, DTensor):
+            raise ValueError(
+                f"train.loss=chunked: the output head received a DTensor ({hidden.placements}); the loss expects the "
+                "whole sequence as a local tensor. Use train.loss=model for this layout."
+            )
+        head = model.get_output_embeddings()
         targets = shift_labels.to(hidden.device).reshape(-1)
         valid = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)

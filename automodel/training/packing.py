@@ -15,7 +15,11 @@ from torch import nn
 
 from automodel.distributed import MeshContext
 from automodel.distributed.context_parallel import gather_sequence, shard_batch_for_context_parallel
+from automodel.distributed.fsdp import reshard_all
+from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import full_tensor
+
+from .data import IGNORE_INDEX
 
 __all__ = ["PackingNotSupportedError", "check_packed_attention"]
 
@@ -37,8 +41,12 @@ def check_packed_attention(model: nn.Module, context: MeshContext, *, tolerance:
     was_training = model.training
     model.eval()
     try:
-        packed = _logits(model, context, tokens, packed_positions)[:, half:]
-        alone = _logits(model, context, second_alone, None)[:, :half]
+        if isinstance(model, PipelinedModel):
+            difference = _pipelined_difference(model, tokens, packed_positions, second_alone, half)
+        else:
+            packed = _logits(model, context, tokens, packed_positions)[:, half:]
+            alone = _logits(model, context, second_alone, None)[:, :half]
+            difference = ((packed - alone).abs().max() / alone.abs().max().clamp(min=1.0)).reshape(1)
     except TypeError as error:  # a forward that takes no position_ids
         raise PackingNotSupportedError(
             f"data.packing=true needs a model whose forward takes position_ids; {type(model).__name__} refused them "
@@ -46,7 +54,7 @@ def check_packed_attention(model: nn.Module, context: MeshContext, *, tolerance:
         ) from error
     finally:
         model.train(was_training)
-    difference = ((packed - alone).abs().max() / alone.abs().max().clamp(min=1.0)).reshape(1)
+        reshard_all(model)
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
     if difference.item() > tolerance:
         implementation = getattr(model.config, "_attn_implementation", None)
@@ -57,6 +65,24 @@ def check_packed_attention(model: nn.Module, context: MeshContext, *, tolerance:
             "packed-sequence mask from position_ids. Set data.packing=false, or choose another attn_implementation."
         )
     return difference.item()
+
+
+def _pipelined_difference(
+    model: PipelinedModel, tokens: torch.Tensor, positions: torch.Tensor, second_alone: torch.Tensor, half: int
+) -> torch.Tensor:
+    """Under PP (no logits leave the last stage): the second document's mean token loss packed and alone, over the
+    same predictions (one row per pipeline microbatch), as a relative difference."""
+    rows = model.layout.microbatches
+    packed_labels = torch.full_like(tokens, IGNORE_INDEX)
+    packed_labels[:, half + 1 :] = tokens[:, half + 1 :]  # the second document's tokens after its first
+    alone_labels = torch.full_like(tokens, IGNORE_INDEX)
+    alone_labels[:, 1:half] = second_alone[:, 1:half]
+    packed = model.eval_step(
+        input_ids=tokens.repeat(rows, 1), labels=packed_labels.repeat(rows, 1), position_ids=positions.repeat(rows, 1)
+    )
+    alone = model.eval_step(input_ids=second_alone.repeat(rows, 1), labels=alone_labels.repeat(rows, 1))
+    difference = ((packed - alone).abs() / alone.abs().clamp(min=1.0)).reshape(1)
+    return difference.to(next(model.parameters()).device)  # reduced on the device (NCCL)
 
 
 def _logits(model: nn.Module, context: MeshContext, tokens: torch.Tensor, positions: torch.Tensor | None):

@@ -1,7 +1,8 @@
 """``automodel plan``: what each rank of a job would hold, before the job starts (``automodel.plan``).
 
     automodel plan --model PATH_OR_ID --world-size N [--rank R ...] [--dtype bf16|fp32]
-                   [--micro-batch-size B --seq-len S] [--optimizer adamw] [layout.KEY=VALUE ...] [--json]
+                   [--micro-batch-size B --seq-len S] [--pp-microbatches M] [--optimizer adamw]
+                   [layout.KEY=VALUE ...] [--json]
 
 ``--nnodes K --nproc-per-node G`` may stand for ``--world-size``. The layout keys are the recipes' ``layout``
 section. ``automodel sft|pretrain --config FILE --dry-run`` prints the same plan for a recipe. The exit status is 0
@@ -34,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="the load dtype (default bf16)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per rank per step (activation estimate)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (activation estimate)")
+    parser.add_argument(
+        "--pp-microbatches", type=int, help="with layout.pp_size > 1: microbatches per step (default pp_size)"
+    )
     parser.add_argument("--optimizer", choices=["adamw", "adam", "sgd"], default="adamw")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -68,6 +72,10 @@ def main(argv: list[str]) -> int:
     except ValueError as error:
         print(f"automodel plan: {error}", file=sys.stderr)
         return 2
+    if args.pp_microbatches is not None:
+        if layout.pp_size == 1:
+            parser.error("--pp-microbatches applies with layout.pp_size > 1")
+        arguments["pp_microbatches"] = args.pp_microbatches
     return print_plan(
         args.model,
         world_size,
@@ -98,14 +106,18 @@ def print_plan(model: str, world_size: int, layout: dict, *, as_json: bool = Fal
 
 def dry_run(config: RecipeConfig, world_size: int) -> int:
     """``automodel sft|pretrain --dry-run``: the plan of the resolved config on ``world_size`` ranks."""
+    from .config import pipeline_microbatches
     from .loop import mesh_arguments, prepare_model
 
     prepare_model(config)
     dtypes = {"float32": "fp32", "bfloat16": "bf16"}
+    arguments = mesh_arguments(config.layout)
+    if config.layout.pp_size > 1:
+        arguments["pp_microbatches"] = pipeline_microbatches(config, world_size)
     return print_plan(
         config.model.path,
         world_size,
-        mesh_arguments(config.layout),
+        arguments,
         dtype=dtypes[config.model.dtype],
         micro_batch_size=config.train.micro_batch_size,
         seq_len=config.train.seq_len,

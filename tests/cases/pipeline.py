@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from automodel import NeMoAutoModelForCausalLM
@@ -93,6 +94,16 @@ def pipeline_parity(model_type: str, layout: dict[str, Any], tie: bool | None = 
         "uncovered": sorted(set(plain) - covered),
         "stages": list(model.stage_indices),
         "same_loss_everywhere": _same_everywhere(loss),
+        # The mesh axes each routed-expert weight is sharded over (EP: "ep").
+        "expert_axes": sorted(
+            {
+                param.device_mesh.mesh_dim_names[dim]
+                for name, param in model.named_parameters()
+                if ".experts." in name and isinstance(param, DTensor)
+                for dim, placement in enumerate(param.placements)
+                if placement.is_shard()
+            }
+        ),
     }
 
 
@@ -189,9 +200,10 @@ def from_config_weights(layout: dict[str, Any]) -> dict[str, Any]:
     return {"tensors": len(model.state_dict()), "differing": differing}
 
 
-def masked_batch_parity(layout: dict[str, Any]) -> dict[str, float]:
+def masked_batch_parity(layout: dict[str, Any], packed: bool = False) -> dict[str, float]:
     """A padded batch (``attention_mask`` zeros and ``-100`` labels at the end of some rows) with explicit
-    ``position_ids``: ``train_step`` against plain transformers with the same inputs (the loss and every gradient)."""
+    ``position_ids``, or (``packed``) packed rows: no mask, positions restarting at each packed document.
+    ``train_step`` against plain transformers with the same inputs (the loss and every gradient)."""
     reference = plain_model("llama")
     directory = _saved(reference)
     model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=MeshContext.build(**layout)).train()
@@ -202,6 +214,12 @@ def masked_batch_parity(layout: dict[str, Any]) -> dict[str, float]:
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    if packed:  # two documents per row, the second starting where the mask above ended
+        starts = attention_mask.sum(-1, keepdim=True)
+        columns = torch.arange(16).expand(8, 16)
+        position_ids = torch.where(columns < starts, columns, columns - starts)
+        labels = input_ids.clone()
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
     loss = model.train_step(labels=labels, **inputs)
     expected = reference(labels=labels, **inputs).loss
     expected.backward()

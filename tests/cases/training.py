@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.training.config import load_config
 from automodel.training.loop import run
 from automodel.training.tiny_model import word_level_tokenizer
@@ -59,9 +60,22 @@ def train(config_path: str, overrides: list[str]) -> dict[str, Any]:
     """Run a recipe on every rank; the step losses and facts about the trained model."""
     result = run(load_config(config_path, overrides))
     facts = {"losses": result.losses, "resumed_from": result.resumed_from, "export_dir": result.export_dir}
-    if result.export_dir is not None:
+    if result.export_dir is not None and not isinstance(result.model, PipelinedModel):
         facts["export_logits"] = _export_matches(result)
     return facts
+
+
+def exports_differ(first: str, second: str) -> float:
+    """Max |logits| difference between two exports, both loaded by plain transformers (on the calling rank)."""
+    from transformers import AutoModelForCausalLM
+
+    batch = torch.arange(1, 17).reshape(2, 8)
+    logits = []
+    for directory in (first, second):
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=batch % model.config.vocab_size).logits)
+    return (logits[0] - logits[1]).abs().max().item()
 
 
 def _export_matches(result) -> float | None:
