@@ -1,7 +1,8 @@
 """Pipeline parallelism on N CPU ranks: the measured bubble of each schedule against its ideal, and the step's
 throughput against FSDP2 on the same ranks, in one run.
 
-    python benchmarks/pipeline.py --nproc 2            # PP2: gpipe, 1f1b, interleaved_1f1b (2 stages per rank)
+    python benchmarks/pipeline.py --nproc 2            # PP2: gpipe, 1f1b; interleaved_1f1b, interleaved_zero_bubble
+                                                       # and zbv with 2 stages per rank
     python benchmarks/pipeline.py --nproc 4            # PP4
 
 A random Llama (8 layers, hidden 256, vocabulary 4096) is saved once. Each contender starts N fresh gloo ranks,
@@ -38,7 +39,8 @@ MODEL = dict(
     vocab_size=4096,
     max_position_embeddings=512,
 )
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble", "zbv"}  # run with 2 stages per rank
 
 
 def make_checkpoint(directory: Path) -> Path:
@@ -65,7 +67,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
         context = MeshContext.build("fsdp2")
     else:
         schedule = contender.removeprefix("pp:")
-        virtual = 2 if schedule == "interleaved_1f1b" else 1
+        virtual = 2 if schedule in MULTI_STAGE else 1
         context = MeshContext.build(
             "fsdp2",
             pp_size=world,
@@ -121,7 +123,7 @@ def main() -> None:
         ideal = "-"
         if contender.startswith("pp:"):
             schedule = contender.removeprefix("pp:")
-            virtual = 2 if schedule == "interleaved_1f1b" else 1
+            virtual = 2 if schedule in MULTI_STAGE else 1
             ideal = f"{ideal_bubble(schedule, options.nproc, options.microbatches, virtual):.1%}"
         shown = "-" if bubble is None else f"{bubble:.1%}"
         print(f"{contender:<22} {seconds:8.3f} {tokens / seconds:9.0f} {shown:>8} {ideal:>8}")

@@ -14,7 +14,13 @@ SCHEDULES = {
     "gpipe": {"pp_schedule": "gpipe"},
     "1f1b": {"pp_schedule": "1f1b"},
     "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2},
+    "interleaved_zero_bubble": {"pp_schedule": "interleaved_zero_bubble", "pp_virtual_stages": 2},
+    "zbv": {"pp_schedule": "zbv", "pp_virtual_stages": 2},
 }
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
+#: The zero-bubble schedules on the quick suite: the tied model (ZBV holds the first and the last stage on one rank)
+#: and the MoE model; the other models under them are in the slow matrix.
+QUICK_ZERO_BUBBLE = {"llama_tied", "mixtral"}
 #: (model type, tie_word_embeddings): dense, QK-norm, sliding-window, tied and MoE models.
 MODELS = [("llama", False), ("qwen3", None), ("gemma3_text", None), ("llama", True), ("mixtral", None)]
 
@@ -26,15 +32,23 @@ def _check(result):
     assert result["same_loss_everywhere"], result
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize(("model_type", "tie"), MODELS, ids=[f"{m}{'_tied' if t else ''}" for m, t in MODELS])
+def _matrix():
+    for model_type, tie in MODELS:
+        name = f"{model_type}{'_tied' if tie else ''}"
+        for schedule in SCHEDULES:
+            slow = schedule in ZERO_BUBBLE and name not in QUICK_ZERO_BUBBLE
+            yield pytest.param(model_type, tie, schedule, id=f"{name}-{schedule}", marks=[pytest.mark.slow] * slow)
+
+
+@pytest.mark.parametrize(("model_type", "tie", "schedule"), _matrix())
 def test_pp2_matches_plain_transformers(ranks2, model_type, tie, schedule):
     layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, **SCHEDULES[schedule]}
     results = ranks2.run(pipeline.pipeline_parity, model_type, layout, tie)
     for result in results:
         _check(result)
     virtual = SCHEDULES[schedule].get("pp_virtual_stages", 1)
-    assert [result["stages"] for result in results] == [[rank + 2 * k for k in range(virtual)] for rank in (0, 1)]
+    expected = [[0, 3], [1, 2]] if schedule == "zbv" else [[rank + 2 * k for k in range(virtual)] for rank in (0, 1)]
+    assert [result["stages"] for result in results] == expected
 
 
 @pytest.mark.parametrize("inner", [{"dp_replicate_size": 1}, {"tp_size": 2}], ids=["pp2_fsdp2", "pp2_tp2"])
@@ -92,6 +106,7 @@ def test_from_config_under_pp_gives_the_weights_of_the_same_call_without_a_mesh(
         ({"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "interleaved_1f1b"}, 4, "load", "pp_virtual_stages >= 2"),
         ({"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "zero"}, 4, "load", "pp_schedule='zero' is not a schedule"),
         ({"strategy": "fsdp2", "pp_size": 2, "pp_virtual_stages": 2}, 4, "load", "runs one stage per rank"),
+        ({"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "zbv", "pp_virtual_stages": 3}, 6, "load", "exactly two stages per rank"),
         (
             {"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2},
             3,
@@ -103,7 +118,7 @@ def test_from_config_under_pp_gives_the_weights_of_the_same_call_without_a_mesh(
         ({"strategy": "fsdp2", "pp_size": 2}, 4, "generate", "generate() is not available on a pipeline-parallel"),
         ({"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4}, 4, "batch", "A batch of 6 rows cannot be split"),
     ],
-    ids=["ddp", "few_microbatches", "interleaved_without_virtual", "unknown", "virtual_without_interleaved",
+    ids=["ddp", "few_microbatches", "interleaved_without_virtual", "unknown", "virtual_without_interleaved", "zbv_three",
          "fewer_layers_than_stages", "plain_call", "derived_tp_plan", "generate", "uneven_batch"],
 )  # fmt: skip
 def test_impossible_pipelines_are_refused_on_every_rank(ranks2, ranks4, layout, layers, call, expected):

@@ -34,6 +34,6 @@ echo "test-compat: $installed (virtualenv ready in $((SECONDS - started)) s)"
 # The recipe-level tests (the training recipes and their configs, torchrun launches, the test harness itself, the hub
 # cache) are left out: they reach torch and transformers only through the calls the rest of the quick suite covers,
 # and they would double this run's time.
-recipe_level=(test_training.py test_training_config.py test_torchrun.py test_harness.py test_vlm_recipe.py test_hub.py)
+recipe_level=(test_training.py test_training_config.py test_training_pipeline.py test_torchrun.py test_harness.py test_vlm_recipe.py test_hub.py)
 "$venv/bin/python" -m pytest tests -q -m "not slow and not zoo" "${recipe_level[@]/#/--ignore=tests/}" "$@"
 echo "test-compat: $installed passed in $((SECONDS - started)) s"

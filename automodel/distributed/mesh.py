@@ -274,7 +274,8 @@ class MeshContext:
         ``dp_shard`` is inferred as ``world_size / (pp_size * dp_replicate_size * cp_size * tp_size)``. With
         ``pp_size > 1`` the model is split into pipeline stages (``pp`` is the outermost axis: ``pp_size`` groups of
         consecutive ranks, each running its stages with the other axes), run by ``pp_schedule`` (``gpipe``, ``1f1b``,
-        ``interleaved_1f1b`` with ``pp_virtual_stages >= 2`` stages per rank) over ``pp_microbatches`` microbatches
+        ``interleaved_1f1b`` / ``interleaved_zero_bubble`` with ``pp_virtual_stages >= 2`` stages per rank, ``zbv``
+        with two per rank in a V) over ``pp_microbatches`` microbatches
         per step (default ``pp_size``). Every impossible request raises here, identically on every rank, before any
         collective runs.
         """

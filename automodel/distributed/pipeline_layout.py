@@ -14,10 +14,30 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import DDPConfig, MegatronFSDPConfig, StrategyConfig
 
-__all__ = ["PIPELINE_SCHEDULES", "PipelineLayout", "check_pipeline", "ideal_bubble", "in_flight_microbatches"]
+__all__ = [
+    "PIPELINE_SCHEDULES",
+    "V_SHAPED_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
+    "PipelineLayout",
+    "check_pipeline",
+    "ideal_bubble",
+    "in_flight_microbatches",
+]
 
 #: Schedule names and whether each runs several (virtual) stages per rank.
-PIPELINE_SCHEDULES: dict[str, bool] = {"gpipe": False, "1f1b": False, "interleaved_1f1b": True}
+PIPELINE_SCHEDULES: dict[str, bool] = {
+    "gpipe": False,
+    "1f1b": False,
+    "interleaved_1f1b": True,
+    "interleaved_zero_bubble": True,
+    "zbv": True,
+}
+#: Schedules whose ranks hold their stages in a V (rank ``r``: stages ``r`` and ``2P - 1 - r``: the first and the
+#: last stage on rank 0), with exactly two stages per rank; the others place stages in a loop (``r, r + P, ...``).
+V_SHAPED_SCHEDULES = frozenset({"zbv"})
+#: Schedules that split each backward into its input-gradient and its weight-gradient pass (torch's zero-bubble
+#: schedules), running the weight passes where the others idle.
+ZERO_BUBBLE_SCHEDULES = frozenset({"interleaved_zero_bubble", "zbv"})
 
 
 @dataclass(frozen=True)
@@ -49,11 +69,20 @@ class PipelineLayout:
     @property
     def local_stages(self) -> list[int]:
         """The stage indices this rank runs, in order."""
-        return [self.rank + k * self.size for k in range(self.virtual_stages)]
+        return [stage for stage in range(self.num_stages) if self.stage_rank(stage) == self.rank]
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage``: in a loop (``stage % P``), or in a V for the V-shaped schedules."""
+        if self.schedule in V_SHAPED_SCHEDULES:
+            return stage if stage < self.size else 2 * self.size - 1 - stage
+        return stage % self.size
 
     def ideal_bubble(self) -> float:
         """The idle share of a step with equal stages and free communication: ``(P - 1) / (M + P - 1)`` for GPipe
-        and 1F1B; ``V`` stages per rank (interleaved 1F1B) shrink it to ``(P - 1) / (V M + P - 1)``."""
+        and 1F1B; ``V`` stages per rank (interleaved 1F1B) shrink it to ``(P - 1) / (V M + P - 1)``; the zero-bubble
+        schedules fill the cool-down with the weight-gradient passes, which leaves ``(P - 1) / (3 V M + P - 1)``
+        with a forward, an input-gradient and a weight-gradient pass of equal cost (Qi et al.'s ZB-H1 bound; ZB-V
+        can do better)."""
         return ideal_bubble(self.schedule, self.size, self.microbatches, self.virtual_stages)
 
     def in_flight(self, rank: int | None = None) -> float:
@@ -68,14 +97,16 @@ class PipelineLayout:
 
 def ideal_bubble(schedule: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> float:
     """:meth:`PipelineLayout.ideal_bubble` of a layout given by its numbers."""
-    del schedule  # the same formula for the schedules offered
-    return (ranks - 1) / (virtual_stages * microbatches + ranks - 1)
+    passes = 3 if schedule in ZERO_BUBBLE_SCHEDULES else 1  # the passes of a microbatch's step that fill the bubble
+    return (ranks - 1) / (passes * virtual_stages * microbatches + ranks - 1)
 
 
 def in_flight_microbatches(schedule: str, ranks: int, microbatches: int, virtual_stages: int, rank: int) -> float:
     """:meth:`PipelineLayout.in_flight` of a layout given by its numbers."""
     if schedule == "gpipe":
         return float(microbatches)
+    if schedule in V_SHAPED_SCHEDULES:  # ZBV warms up 2 (P - r) - 1 passes of half the rank's layers
+        return min(2 * microbatches, 2 * (ranks - rank) - 1) / 2
     if PIPELINE_SCHEDULES.get(schedule):
         passes = min(virtual_stages * microbatches, (virtual_stages - 1) * ranks + 2 * (ranks - 1 - rank) + 1)
         return passes / virtual_stages
@@ -106,6 +137,11 @@ def check_pipeline(
     if PIPELINE_SCHEDULES[schedule] and virtual_stages < 2:
         raise ValueError(
             f"pp_schedule={schedule!r} runs several stages per rank: set pp_virtual_stages >= 2 (got {virtual_stages})."
+        )
+    if schedule in V_SHAPED_SCHEDULES and virtual_stages != 2:
+        raise ValueError(
+            f"pp_schedule={schedule!r} places exactly two stages per rank (in a V): set pp_virtual_stages=2 (got "
+            f"{virtual_stages})."
         )
     if not PIPELINE_SCHEDULES[schedule] and virtual_stages != 1:
         raise ValueError(

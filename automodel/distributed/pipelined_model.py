@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .parallel_model import ParallelizedModel
-from .pipeline_layout import PipelineLayout
+from .pipeline_layout import V_SHAPED_SCHEDULES, PipelineLayout
 from .runtime import full_tensor
 
 __all__ = ["HeadLoss", "PipelinedModel", "pipeline_norm_group"]
@@ -67,6 +67,8 @@ def _schedule_class(name: str) -> type:
         "gpipe": pipelining.ScheduleGPipe,
         "1f1b": pipelining.Schedule1F1B,
         "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
+        "interleaved_zero_bubble": pipelining.ScheduleInterleavedZeroBubble,
+        "zbv": pipelining.ScheduleZBVZeroBubble,
     }[name]
 
 
@@ -112,7 +114,7 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         self._embedding_group = _embedding_group(layout) if tied else None
         self._owners = self._tensor_owners()
         for name, param in self.named_parameters():
-            counted = not (self._is_last and name in {head for _, head in tied} and not self._is_first)
+            counted = not (self._is_last and name in {head for _, head in tied})  # its embedding twin counts
             setattr(param, _PIPELINE_ATTRIBUTE, (self._group, counted))
 
     # -- the model's tensors under transformers' names -------------------------------------------------------------
@@ -297,6 +299,8 @@ class PipelinedModel(ParallelizedModel, nn.Module):
             if train:
                 self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
                 self._sum_tied_gradients()
+            elif self.layout.schedule in V_SHAPED_SCHEDULES:
+                self._eval_by_a_step(args, target, losses, kwargs)
             else:
                 with torch.no_grad():
                     self._schedule.eval(*args, target=target, losses=losses, **kwargs)
@@ -310,6 +314,22 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         dist.all_reduce(facts, group=self._group)
         self.last_bubble = facts[1].item() / self.layout.size
         return facts[0].float().cpu()
+
+    def _eval_by_a_step(self, args: tuple, target: Any, losses: list, kwargs: dict) -> None:
+        """The losses of a V-shaped schedule without a training step: torch's ``eval()`` of ``ScheduleZBVZeroBubble``
+        hangs (its ranks still exchange for the backward it skips), and torch validates every schedule it runs for
+        a full backward; so eval runs the schedule's step and puts the gradients back as they were (a backward's
+        cost, for the rare evaluation)."""
+        params = list(self.parameters())
+        kept = [param.grad for param in params]
+        for param in params:
+            param.grad = None
+        try:
+            with torch.enable_grad():  # also when called under no_grad (a validation pass)
+                self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            for param, grad in zip(params, kept, strict=True):
+                param.grad = grad
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One microbatch's summed token losses over ``num_items`` (transformers upcasts the logits to float32 for
@@ -356,30 +376,43 @@ class PipelinedModel(ParallelizedModel, nn.Module):
 
     # -- tied embeddings ------------------------------------------------------------------------------------------------
 
-    def _tied_pairs(self, tied: list[tuple[str, str]]) -> list[torch.Tensor]:
-        """The local parameters of each tied (embedding, head) pair split between the first and the last stage."""
-        if not tied or self._is_first == self._is_last:
+    def _tied_pairs(self, tied: list[tuple[str, str]]) -> list[list[torch.Tensor]]:
+        """The local parameters of each tied (embedding, head) pair split between the first and the last stage:
+        one of them on each of the two ranks, or both on a rank holding both stages (the V-shaped schedules)."""
+        if not tied or not (self._is_first or self._is_last):
             return []
         parameters = dict(self.named_parameters())
-        return [parameters[embedding if self._is_first else head] for embedding, head in tied]
+        held = [name for name, side in ((0, self._is_first), (1, self._is_last)) if side]
+        return [[parameters[pair[side]] for side in held] for pair in tied]
 
     def _sum_tied_gradients(self) -> None:
-        """Sum the gradients of the embedding (first stage) and its copy as the head (last stage) between the two
-        stages: the pipeline ranks ``0`` and ``P - 1`` of each stage group coordinate."""
-        for param in self._tied:
-            if param.grad is not None:
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                dist.all_reduce(grad, group=self._embedding_group)
+        """Sum the gradients of the embedding (first stage) and its copy as the head (last stage): between the two
+        stages' ranks (each stage-group coordinate's ranks holding them), or locally when one rank holds both."""
+        for params in self._tied:
+            grads = [param.grad for param in params if param.grad is not None]
+            if not grads:
+                continue
+            local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+            if len(params) == 2:
+                total = sum(local[1:], local[0].clone())
+                for grad in local:
+                    grad.copy_(total)
+            else:
+                dist.all_reduce(local[0], group=self._embedding_group)
 
 
 def _embedding_group(layout: PipelineLayout) -> Any:
-    """The process groups of ranks ``(pp=0, c)`` and ``(pp=P-1, c)`` for every stage-group coordinate ``c``; this
-    rank's one (every rank must create every group, in the same order)."""
+    """The process groups of the first and the last stage's ranks, ``(pp=first, c)`` and ``(pp=last, c)``, for every
+    stage-group coordinate ``c``; this rank's one (every rank must create every group, in the same order). ``None``
+    when one pipeline rank holds both stages."""
+    first, last = layout.stage_rank(0), layout.stage_rank(layout.num_stages - 1)
+    if first == last:
+        return None
     world = dist.get_world_size()
     per_stage = world // layout.size
     mine = None
     for coordinate in range(per_stage):
-        ranks = [coordinate, (layout.size - 1) * per_stage + coordinate]
+        ranks = [first * per_stage + coordinate, last * per_stage + coordinate]
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = group

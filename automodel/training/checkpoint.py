@@ -108,17 +108,22 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     flat = not any(key.startswith(_NESTED_GROUPS) for key in saved)
     options = _FLAT_OPTIMIZER if flat else StateDictOptions()
     model_state, optimizer_state = get_state_dict(module, optimizer, options=options)
-    _drop_state_never_saved(optimizer_state, saved, flat=flat)
+    never_saved = _state_never_saved(optimizer_state, saved, flat=flat)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, state["model"])
-    # Not strict: the state of parameters that had none when saved is left out on purpose (above).
+    # torch rebuilds a flat optimizer state from the live optimizer's keys, so the state left out of the load goes
+    # back in as the fresh placeholders and is dropped once loaded; a nested one loads without it.
+    optimizer_state.update(never_saved.placeholders)
     set_optimizer_state_dict(
         module,
         optimizer,
         state["optimizer"],
         options=StateDictOptions(strict=False, flatten_optimizer_state_dict=flat),
     )
+    for name, parameter in module.named_parameters():
+        if name in never_saved.names:
+            optimizer.state.pop(parameter, None)
     saved = torch.load(path / _TRAINER_STATE, weights_only=True)
     return TrainerState(**saved)
 
@@ -137,20 +142,30 @@ _OPTIMIZER_STATE = "optimizer.state."
 _NESTED_GROUPS = "optimizer.param_groups.0."
 
 
-def _drop_state_never_saved(optimizer_state: dict[str, Any], saved: set[str], *, flat: bool) -> None:
-    """Leave out of the load the optimizer state of parameters that had none when the checkpoint was saved.
+@dataclass(frozen=True)
+class _NeverSaved:
+    names: set[str]  # the parameters whose optimizer state the checkpoint does not hold
+    placeholders: dict[str, Any]  # their fresh flat entries, taken out of the state to load
+
+
+def _state_never_saved(optimizer_state: dict[str, Any], saved: set[str], *, flat: bool) -> _NeverSaved:
+    """Take out of the load the optimizer state of parameters that had none when the checkpoint was saved.
 
     ``get_state_dict`` gives a fresh optimizer state for every parameter, but a parameter that never got a gradient
     (a vision tower's final norm whose output the model does not use) had none in the saved run, which AdamW skips
     too: it keeps none after the resume, as in the uninterrupted run.
     """
     names = {key[len(_OPTIMIZER_STATE) :].rpartition(".")[0] for key in saved if key.startswith(_OPTIMIZER_STATE)}
-    if flat:
-        prefix = _OPTIMIZER_STATE.removeprefix("optimizer.")
-        for key in [k for k in optimizer_state if k.startswith(prefix)]:
-            if key[len(prefix) :].rpartition(".")[0] not in names:
-                del optimizer_state[key]
-        return
-    states = optimizer_state.get("state", {})
-    for name in [name for name in states if name not in names]:
-        del states[name]
+    if not flat:
+        states = optimizer_state.get("state", {})
+        missing = {name for name in states if name not in names}
+        for name in missing:
+            del states[name]
+        return _NeverSaved(missing, {})
+    prefix = _OPTIMIZER_STATE.removeprefix("optimizer.")
+    placeholders = {
+        key: optimizer_state.pop(key)
+        for key in [k for k in optimizer_state if k.startswith(prefix)]
+        if key[len(prefix) :].rpartition(".")[0] not in names
+    }
+    return _NeverSaved({key[len(prefix) :].rpartition(".")[0] for key in placeholders}, placeholders)

@@ -78,7 +78,7 @@ class LayoutSection:
     # Pipeline parallelism: pp_size stage groups (the outermost axis), each running its stages with the axes above;
     # the schedule runs train.pp_microbatches microbatches per step (docs/parallelisms.md, "Pipeline parallelism").
     pp_size: int = 1
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"] = "1f1b"
     pp_virtual_stages: int = 1
 
 
