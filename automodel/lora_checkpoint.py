@@ -11,18 +11,17 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from automodel.distributed.runtime import full_tensor, is_rank_zero
 from automodel.loading.agreement import agree_or_raise
 from automodel.loading.checkpoint_files import CheckpointFiles, open_safetensors_file
+from automodel.loading.parallel_export import WeightFiles, make_staging_dir, write_weight_files
 from automodel.loading.pipeline import transformers_model
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoraAdapter", "peft_key", "read_lora_adapter", "save_lora_adapter"]
@@ -77,9 +76,9 @@ def read_lora_adapter(directory: str | os.PathLike) -> LoraAdapter:
 
 def save_lora_adapter(model: nn.Module, directory: str | os.PathLike, *, adapter_name: str = "default") -> Path:
     """Collective (call on every rank): write the LoRA adapter of a (parallelized) model to ``directory`` as peft's
-    ``save_pretrained`` writes it: ``adapter_model.safetensors`` and ``adapter_config.json``. The factors are gathered
-    one at a time; rank 0 writes into a temporary sibling folder whose files then replace those in ``directory``
-    (other files stay). Every error is raised on every rank."""
+    ``save_pretrained`` writes it: ``adapter_model.safetensors`` and ``adapter_config.json``. Each rank writes the
+    bytes of its own shards of the factors (``parallel_export``: nothing is gathered) into a temporary sibling folder
+    whose files then replace those in ``directory`` (other files stay). Every error is raised on every rank."""
     target = Path(directory).absolute()
     inner, names, error = None, [], None
     try:
@@ -94,20 +93,46 @@ def save_lora_adapter(model: nn.Module, directory: str | os.PathLike, *, adapter
     except Exception as exc:  # raised below on every rank
         error = exc
     agree_or_raise(error, f"Saving the LoRA adapter to {target}")
-    parameters = dict(inner.named_parameters())
-    tensors: dict[str, torch.Tensor] = {}
-    for name in names:
-        full = full_tensor(parameters[name].detach())
-        if is_rank_zero():
-            tensors[peft_key(name, adapter_name)] = full.cpu().contiguous().clone()
-    error = None
+    wanted = set(names)
+    parameters = {name: param.detach() for name, param in inner.named_parameters() if name in wanted}
+    stored = {peft_key(name, adapter_name): name for name in names}
+    spec = WeightFiles(
+        files={ADAPTER_WEIGHTS: list(stored)},
+        stored={
+            key: torch.empty(parameters[name].shape, dtype=parameters[name].dtype, device="meta")
+            for key, name in stored.items()
+        },
+        source_of=stored,
+        direct=set(stored),  # the factors are stored as they are, under peft's names
+        local=parameters,
+        gather=lambda name, owner: _gathered(parameters[name], owner),
+        convert=lambda name, full: {peft_key(name, adapter_name): full},
+    )
+    staging = make_staging_dir(target, ".adapter-tmp")
     try:
+        write_weight_files(staging, spec, f"the LoRA adapter to {target}")
+        error = None
+        try:
+            if is_rank_zero():
+                _saved_config(inner, config).save_pretrained(staging)
+                _place(staging, target)
+        except Exception as exc:
+            error = exc
+        agree_or_raise(error, f"Writing the LoRA adapter to {target}")
+    finally:
         if is_rank_zero():
-            _write(target, tensors, _saved_config(inner, config))
-    except Exception as exc:
-        error = exc
-    agree_or_raise(error, f"Writing the LoRA adapter to {target}")
+            shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _gathered(tensor: torch.Tensor, owner: int) -> torch.Tensor | None:
+    """Collective: the full ``tensor`` on rank ``owner``, ``None`` elsewhere."""
+    full = full_tensor(tensor)
+    return full if _rank() == owner else None
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _saved_config(model: nn.Module, config: Any) -> Any:
@@ -122,14 +147,8 @@ def _saved_config(model: nn.Module, config: Any) -> Any:
     return saved
 
 
-def _write(target: Path, tensors: dict[str, torch.Tensor], config: Any) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".adapter-tmp", dir=target.parent))
-    try:
-        save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        config.save_pretrained(staging)
-        target.mkdir(exist_ok=True)
-        for path in staging.iterdir():
-            os.replace(path, target / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def _place(staging: Path, target: Path) -> None:
+    """The staged files replace those of the same names in ``target`` (created if needed); its other files stay."""
+    target.mkdir(exist_ok=True)
+    for path in staging.iterdir():
+        os.replace(path, target / path.name)

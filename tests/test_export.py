@@ -15,11 +15,10 @@ import pytest
 import torch
 from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl
 from safetensors import safe_open
-from safetensors.torch import save_file as real_save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from automodel.loading import export
+from automodel.loading import parallel_export
 from automodel.loading.export import ModelCardInfo, push_to_hub, save_hf_checkpoint, write_model_card
 from tests.cases.export import export_parity, export_refused
 from tests.tiny_models import build_model, save_tiny_checkpoint, tiny_config, token_batch
@@ -211,14 +210,15 @@ def test_failure_mid_write_leaves_no_partial_export(tmp_path, monkeypatch, overw
         target.mkdir()
         (target / "previous.txt").write_text("previous export")
     written = []
+    real_write_box = parallel_export.write_box
 
-    def fail_after_first_file(tensors, filename, metadata=None):
+    def fail_after_first_tensor(fd, *args):
         if written:
             raise OSError("No space left on device")
-        written.append(filename)
-        real_save_file(tensors, filename, metadata=metadata)
+        written.append(fd)
+        real_write_box(fd, *args)
 
-    monkeypatch.setattr(export, "save_file", fail_after_first_file)
+    monkeypatch.setattr(parallel_export, "write_box", fail_after_first_tensor)
     with pytest.raises(OSError, match="No space left"):
         save_hf_checkpoint(build_model(tiny_config("llama")), target, max_shard_size="40KB", overwrite=overwrite)
     assert len(written) == 1

@@ -12,7 +12,7 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from tests.cases.lora import LORA, dropout_parity, load_adapter, lora_parity, save_adapter
+from tests.cases.lora import LORA, adapter_bytes, dropout_parity, load_adapter, lora_parity, save_adapter
 from tests.tiny_models import save_tiny_checkpoint, token_batch
 
 pytestmark = pytest.mark.distributed
@@ -161,3 +161,18 @@ def test_adapters_follow_colwise_and_rowwise_layers_and_refuse_other_styles():
     )
     with pytest.raises(ValueError, match="embed cannot follow its TP style 'embedding'"):
         adapter_placements(model, {**plan, "embed": "embedding"}, sequence_parallel=False)
+
+
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    [(4, {"strategy": "fsdp2"}), (4, {"strategy": "fsdp2", "tp_size": 2}), (4, {"strategy": "fsdp2", "dp_replicate_size": 2})],
+    ids=["fsdp2", "fsdp2_x_tp2", "hsdp"],
+)  # fmt: skip
+def test_the_saved_adapter_is_peft_save_pretrained_byte_for_byte_written_by_every_rank(
+    request, checkpoints, tmp_path, world, layout
+):
+    results = request.getfixturevalue(f"ranks{world}").run(
+        adapter_bytes, checkpoints["llama"], layout, str(tmp_path / "adapter")
+    )
+    assert results[0]["same_bytes"] and results[0]["factors"] == 12, results[0]
+    assert all(result["bytes_written"] for result in results), [result["bytes_written"] for result in results]

@@ -83,6 +83,26 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(ranks2, chat
     assert resumed["resumed_from"] == 5 and resumed["losses"] == full
 
 
+def test_asynchronous_checkpoints_resume_bitwise_and_a_failed_one_is_never_latest(ranks2, chat_checkpoint, tmp_path):
+    """checkpoint.async=true: training goes on while a checkpoint is written; it is committed only once written on
+    every rank, so a save that dies in the background leaves the previous one LATEST, and the resume is bitwise."""
+    config = _config(tmp_path, chat_checkpoint)
+    full = ranks2.run(train, config, [])[0]["losses"]
+    overrides = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=5", "checkpoint.async=true"]
+    first = ranks2.run(train, config, [*overrides, "train.stop_after_steps=12"])[0]
+    assert first["losses"] == full[:12]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["LATEST", "step_00000010", "step_00000012"]
+    resumed = ranks2.run(train, config, overrides)[0]
+    assert resumed["resumed_from"] == 12 and resumed["losses"] == full
+    overrides[0] = f"checkpoint.dir={tmp_path / 'crashed'}"
+    crashed = ranks2.run(train_with_a_crash_during_save, config, overrides, 10)[0]
+    assert crashed["error"] == "killed while writing a checkpoint"
+    assert crashed["entries"] == ["LATEST", "step_00000005", "step_00000010.partial"], crashed
+    assert crashed["latest"] == "step_00000005" and crashed["pointer"] == "step_00000005"
+    resumed = ranks2.run(train, config, overrides)[0]
+    assert resumed["resumed_from"] == 5 and resumed["losses"] == full
+
+
 def test_pretraining_from_config_on_packed_text_falls_and_resumes(ranks2, chat_checkpoint, tmp_path):
     config = _config(tmp_path, chat_checkpoint, recipe="pretrain", data=REPO / "recipes" / "data" / "tiny_corpus.txt")
     full = ranks2.run(train, config, [])[0]["losses"]

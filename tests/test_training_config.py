@@ -170,3 +170,12 @@ def test_the_tiny_recipe_runs_from_any_directory(tmp_path):
     assert "automodel sft: 4 steps" in result.stdout, result.stdout
     assert (tmp_path / "project" / "out" / "tiny-llama" / "tokenizer.json").is_file()
     assert (tmp_path / "project" / "out" / "sft-tiny" / "export" / "model.safetensors").is_file()
+
+
+def test_checkpoint_async_is_the_key_though_async_is_a_python_keyword(config_file):
+    config = load_config(config_file, ["checkpoint.dir=ckpt", "checkpoint.async=true"])
+    assert config.checkpoint.async_ is True
+    assert config.to_dict()["checkpoint"]["async"] is True  # the dump loads back
+    assert load_config(config_file).checkpoint.async_ is False
+    with pytest.raises(ConfigError, match=re.escape("checkpoint accepts ['async', 'dir', 'every_steps', 'keep']")):
+        load_config(config_file, ["checkpoint.async_=true"])

@@ -1,9 +1,10 @@
 """Export a trained, parallelized model as a consolidated Hugging Face checkpoint, with a model card.
 
 The export is what ``save_pretrained`` of the unsharded model would write (same tensor names, transformers' reverse
-checkpoint conversion applied, tied weights once), built one full tensor at a time: every rank joins each
-``DTensor.full_tensor()``, rank 0 keeps only the tensors of the shard file it is filling and writes that file as soon
-as it is complete. Everything is written into a temporary sibling directory that is renamed into place at the end.
+checkpoint conversion applied, tied weights once), byte for byte, written by every rank at once: rank 0 creates the
+files from the shapes alone, each rank writes the bytes of the shards it holds at their offsets, and only the tensors
+a conversion builds are gathered, each to one owner (``parallel_export``). Everything is written into a temporary
+sibling directory that is renamed into place at the end.
 The model card and the hub upload live in ``model_card`` (re-exported here).
 """
 
@@ -14,14 +15,13 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -31,6 +31,7 @@ from automodel.distributed.runtime import full_tensor, is_rank_zero
 
 from .agreement import agree_or_raise
 from .model_card import ModelCardInfo, push_to_hub, write_model_card
+from .parallel_export import WeightFiles, make_staging_dir, write_weight_files
 
 __all__ = [
     "ModelCardInfo",
@@ -53,6 +54,8 @@ class _ExportPlan:
     sources: dict[str, torch.Tensor]  # state-dict name -> the model's (possibly sharded) tensor
     source_of: dict[str, str]  # stored name -> state-dict name
     files: dict[str, list[str]]  # file name -> stored names, in writing order
+    stored: dict[str, torch.Tensor]  # stored name -> a meta tensor of its shape and dtype
+    renamed: set[str]  # the state-dict names whose stored tensor is the tensor itself, renamed at most
     index: dict[str, Any] | None  # model.safetensors.index.json, None for a single file
     dtype: torch.dtype  # the model's, recorded in config.json
     index_name: str = INDEX_NAME  # with the variant, if any
@@ -71,13 +74,15 @@ def save_hf_checkpoint(
 ) -> Path:
     """Collective (call on every rank): write ``model`` to ``directory`` as a checkpoint plain transformers loads.
 
-    Rank 0 writes safetensors shards named as ``save_pretrained`` names them (``model-0000x-of-0000y.safetensors`` +
+    Writes safetensors shards named as ``save_pretrained`` names them (``model-0000x-of-0000y.safetensors`` +
     ``model.safetensors.index.json``, or one ``model.safetensors``), with the same tensor names (reverse checkpoint
     conversion applied, tied weights once), then ``config.json``, ``generation_config.json`` (when the model can
     generate), the tokenizer files (when ``tokenizer`` is given) and ``README.md`` (when ``model_card`` is given;
-    its usage snippet names ``model_id``, by default the directory). Sharded parameters are gathered one at a time,
-    and rank 0 holds only the tensors of the file it is filling. ``model`` is a ``PreTrainedModel`` (parallelized or
-    not) or a wrapper (DDP, Megatron-FSDP) whose ``.module`` is one.
+    its usage snippet names ``model_id``, by default the directory). Each rank writes the bytes of its own shards
+    into the files (a replicated tensor by one of its holders); only a tensor that transformers' reverse conversion
+    builds (fused MoE experts split per expert) is gathered, to one owner rank, spread over the ranks. No rank holds
+    more than its shards and one gathered tensor. ``model`` is a ``PreTrainedModel`` (parallelized or not) or a
+    wrapper (DDP, Megatron-FSDP) whose ``.module`` is one.
 
     The export is written into a temporary sibling directory and renamed into place at the end, so a failure leaves
     neither a half-written export nor the temporary directory. An existing non-empty ``directory`` is refused unless
@@ -128,23 +133,11 @@ def write_checkpoint(
     agree_or_raise(error, f"Exporting the model to {target}")
     staging = None
     try:
+        staging = make_staging_dir(target, ".export-tmp")
+        write_weight_files(staging, _weight_files(model, inner, plan, gather), f"the export to {target}")
         error = None
         try:
-            staging = _make_staging_dir(target) if is_rank_zero() else None
-        except Exception as exc:
-            error = exc
-        agree_or_raise(error, f"Creating a temporary directory beside {target}")
-        for file_name, tensors, error in _gathered_files(inner, plan, gather):
-            try:
-                if staging is not None and error is None:
-                    save_file(tensors, staging / file_name, metadata={"format": "pt"})
-            except Exception as exc:
-                error = exc
-            del tensors
-            agree_or_raise(error, f"Writing {file_name} of the export to {target}")
-        error = None
-        try:
-            if staging is not None:
+            if is_rank_zero():
                 _write_metadata(inner, plan, staging, tokenizer, model_card, model_id or str(target))
                 place(staging, target)
                 staging = None
@@ -152,7 +145,7 @@ def write_checkpoint(
             error = exc
         agree_or_raise(error, f"Finishing the export to {target}")
     finally:
-        if staging is not None:
+        if staging is not None and is_rank_zero():
             shutil.rmtree(staging, ignore_errors=True)
     return target
 
@@ -198,7 +191,7 @@ def _plan_export(model: PreTrainedModel, max_shard_size: str | int, variant: str
     stand_ins = remove_tied_weights_from_state_dict(stand_ins, model)
     sources = {name: sources[name] for name in stand_ins}
     stored = {name: _meta_like(tensor) for name, tensor in revert_weight_conversion(model, dict(stand_ins)).items()}
-    source_of = _stored_sources(model, stand_ins, stored)
+    source_of, renamed = _stored_sources(model, stand_ins, stored)
     try:
         split = split_torch_state_dict_into_shards(
             stored, filename_pattern=_with_variant(WEIGHTS_PATTERN, variant), max_shard_size=max_shard_size
@@ -212,7 +205,9 @@ def _plan_export(model: PreTrainedModel, max_shard_size: str | int, variant: str
         total = {"total_parameters": model.num_parameters(), **split.metadata}
         index = {"metadata": total, "weight_map": split.tensor_to_filename}
     files = dict(split.filename_to_tensors)
-    return _ExportPlan(sources, source_of, files, index, model.dtype, _with_variant(INDEX_NAME, variant))
+    return _ExportPlan(
+        sources, source_of, files, stored, renamed, index, model.dtype, _with_variant(INDEX_NAME, variant)
+    )
 
 
 def _with_variant(name: str, variant: str | None) -> str:
@@ -228,16 +223,22 @@ def _with_variant(name: str, variant: str | None) -> str:
 
 def _stored_sources(
     model: PreTrainedModel, stand_ins: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]
-) -> dict[str, str]:
-    """Map each stored tensor to the one model tensor it is converted from, so tensors can be gathered one at a time.
+) -> tuple[dict[str, str], set[str]]:
+    """Map each stored tensor to the one model tensor it is converted from, so tensors can be gathered one at a time,
+    and tell the model tensors stored as they are (the conversion returns the tensor itself, under its name or
+    another), which the ranks write from their shards.
 
     Holds when every reverse conversion reads one model tensor (renames, fused experts split into per-expert
     tensors); a conversion that builds one stored tensor from several model tensors is refused.
     """
     source_of: dict[str, str] = {}
+    renamed: set[str] = set()
     mismatched = []
     for name, stand_in in stand_ins.items():
-        for stored_name, tensor in revert_weight_conversion(model, {name: stand_in}).items():
+        converted = revert_weight_conversion(model, {name: stand_in})
+        if len(converted) == 1 and next(iter(converted.values())) is stand_in:
+            renamed.add(name)
+        for stored_name, tensor in converted.items():
             source_of[stored_name] = name
             if stored_name not in stored or stored[stored_name].shape != tensor.shape:
                 mismatched.append(stored_name)
@@ -246,41 +247,46 @@ def _stored_sources(
             f"{type(model).__name__}'s checkpoint conversion builds stored tensors from several model tensors, which "
             "this export does not gather one at a time yet. Save the unsharded model with save_pretrained instead."
         )
-    return source_of
+    return source_of, renamed
 
 
-def _gathered_files(
-    model: PreTrainedModel, plan: _ExportPlan, gather: Callable[[str], torch.Tensor | None] | None = None
-) -> Iterator[tuple[str, dict[str, torch.Tensor], Exception | None]]:
-    """Collective: yield each file's stored tensors (full, on the CPU; on rank 0 only, empty elsewhere) and the error
-    converting them raised on this rank, if any.
+def _weight_files(
+    model: nn.Module,
+    inner: PreTrainedModel,
+    plan: _ExportPlan,
+    gather: Callable[[str], torch.Tensor | None] | None,
+) -> WeightFiles:
+    """The export's weights for :func:`write_weight_files`: a stored tensor that is its model tensor (renamed at
+    most) is written from the shards; one that transformers' reverse conversion builds (per-expert tensors of fused
+    experts) is gathered whole to its owner and converted there. ``gather(name)`` (a pipelined model's) gives the full
+    tensor on rank 0 and replaces ``full_tensor``."""
+    direct = {name for name in plan.stored if plan.source_of[name] in plan.renamed}
+    # A pipelined rank holds its stages' tensors under the whole model's names.
+    local = dict(model.state_dict()) if isinstance(model, PipelinedModel) else plan.sources
 
-    All ranks gather the same model tensors in the same order, also after a failure on rank 0 (which then stops
-    converting), so that the failure is raised together after the file. A model tensor whose stored tensors spread
-    over two files is kept on rank 0 until they are all written. ``gather(name)`` (a pipelined model's) replaces
-    ``full_tensor`` of the plan's source: the full tensor on rank 0, ``None`` elsewhere.
-    """
-    keep = is_rank_zero()
-    pending: dict[str, torch.Tensor] = {}
-    gathered: set[str] = set()
-    for file_name, names in plan.files.items():
-        tensors: dict[str, torch.Tensor] = {}
-        error = None
-        for name in names:
-            source = plan.source_of[name]
-            if source not in gathered:
-                gathered.add(source)
-                full = gather(source) if gather is not None else full_tensor(plan.sources[source])
-                if keep and error is None:
-                    try:
-                        converted = revert_weight_conversion(model, {source: full.cpu()})
-                        pending.update({key: _own_storage(value) for key, value in converted.items()})
-                    except Exception as exc:
-                        error = exc
-                del full
-            if keep and error is None:
-                tensors[name] = pending.pop(name)
-        yield file_name, tensors, error
+    def gathered(source: str, owner: int) -> torch.Tensor | None:
+        if gather is not None:
+            return gather(source)
+        full = full_tensor(plan.sources[source].detach())
+        return full if _rank() == owner else None
+
+    def convert(source: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return revert_weight_conversion(inner, {source: full.detach().cpu()})
+
+    return WeightFiles(
+        files=plan.files,
+        stored=plan.stored,
+        source_of=plan.source_of,
+        direct=direct,
+        local=local,
+        gather=gathered,
+        convert=convert,
+        gathers_to_rank_zero=gather is not None,
+    )
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _write_metadata(
@@ -304,11 +310,6 @@ def _write_metadata(
         tokenizer.save_pretrained(staging)
     if model_card is not None:
         write_model_card(staging, model_card, model_id=model_id)
-
-
-def _make_staging_dir(target: Path) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".export-tmp", dir=target.parent))
 
 
 def _new_directory(staging: Path | None, target: Path) -> None:
@@ -379,9 +380,3 @@ def _architecture_name(model: PreTrainedModel) -> str:
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     """A fresh meta tensor of ``tensor``'s global shape (its own storage, so sizes are counted per tensor)."""
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-
-
-def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor with a storage of its own (a conversion may return views of one larger tensor)."""
-    tensor = tensor.detach().contiguous()
-    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()

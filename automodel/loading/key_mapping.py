@@ -43,6 +43,9 @@ class KeyPlan:
     sources: dict[str, Source] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    # The transforms of transformers' conversion mapping that matched a key: what from_pretrained keeps on the model
+    # (``_weight_conversions``) for save_pretrained to revert.
+    conversions: list[WeightRenaming | WeightConverter] = field(default_factory=list)
 
 
 def plan_keys(
@@ -67,7 +70,7 @@ def plan_keys(
     # skip it when every stored key already names a model tensor, as for most dense checkpoints.
     # Only transformers models have a conversion mapping; other models (diffusers) store their module tree's names.
     needs_conversion = isinstance(model, PreTrainedModel) and not all(key in model_names for key in stored)
-    transforms = get_model_conversion_mapping(model) if needs_conversion else []
+    transforms = _conversion_mapping(model) if needs_conversion else []
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
@@ -90,7 +93,31 @@ def plan_keys(
     for target, (converter, by_source) in groups.items():
         plan.sources.update(_converted_sources(model, source_of, target, converter, by_source))
     plan.missing = [name for name in model_names if name not in plan.sources]
+    plan.conversions = [transform for transform in transforms if _was_used(transform)]
     return plan
+
+
+def _was_used(transform: WeightRenaming | WeightConverter) -> bool:
+    """Whether a transform matched a key while the keys were planned (transformers marks it; a version without the
+    mark keeps every transform, as reverting one that matches nothing changes nothing)."""
+    was_used = getattr(transform, "was_used", None)
+    return was_used() if callable(was_used) else True
+
+
+def _conversion_mapping(model: PreTrainedModel) -> list[WeightRenaming | WeightConverter]:
+    """transformers' conversion mapping for ``model``, as for the transformers class it is: a sidecar's subclass is
+    defined outside transformers, which transformers takes for custom code, so it would skip the root model's mapping
+    and scope the one of the base model inside it (loading alike, but reverting a prefix rename such as Nemotron-H's
+    ``backbone.`` -> ``model.`` no more, so the export and ``save_pretrained`` would store other names)."""
+    native = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), type(model))
+    if native is type(model) or not issubclass(native, PreTrainedModel):
+        return get_model_conversion_mapping(model)
+    own = type(model)
+    model.__class__ = native  # for the lookup only (a meta model, not yet parallelized)
+    try:
+        return get_model_conversion_mapping(model)
+    finally:
+        model.__class__ = own
 
 
 def _converted_sources(

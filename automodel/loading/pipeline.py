@@ -96,12 +96,14 @@ def load_parallelized(
         )
     if prepare is not None:
         prepare(model, plan)
+    _record_conversions(model, plan)
     if mesh_context is not None and mesh_context.pipeline is not None:
         return load_pipeline_stages(model, mesh_context, plan, weights, init_seed, progress)
     if mesh_context is not None:
         model = parallelizer_for(model).parallelize(model, mesh_context)
     allocated = materialize(model, device_of(mesh_context))
     inner = transformers_model(model)
+    _record_conversions(inner, plan)  # also on a model the parallelizer built anew
     if inner is not model:  # Megatron-FSDP's wrapper names the model's tensors under `module.`
         allocated = {name.removeprefix("module.") for name in allocated}
     # Tensors the build computed for real (a diffusers model's buffers) are kept; those it left on meta are read or
@@ -114,6 +116,14 @@ def load_parallelized(
         report = initialize_all(inner, init_seed, non_persistent_buffer_names(inner) & allocated)
     install_loaded_weights(model)
     return Loaded(model, report)
+
+
+def _record_conversions(model: nn.Module, plan: CheckpointPlan | None) -> None:
+    """Keep on the model the conversions the checkpoint's load applied, as ``from_pretrained`` does
+    (``_weight_conversions``): ``save_pretrained`` and the export then revert exactly those, and write the keys in
+    transformers' order for a loaded model (sorted, not the module order)."""
+    if plan is not None and isinstance(model, PreTrainedModel):
+        model._weight_conversions = plan.keys.conversions
 
 
 def transformers_model(model: nn.Module) -> nn.Module:

@@ -1,6 +1,6 @@
 """``save_pretrained`` and ``push_to_hub`` of a parallelized model, with transformers' arguments: collective, and
-writing the consolidated checkpoint of :func:`export.write_checkpoint` (one gathered tensor at a time, staged and
-moved into place). Registered with ``automodel.distributed.parallel_model`` when ``automodel.loading`` is imported.
+writing the consolidated checkpoint of :func:`export.write_checkpoint` (every rank writing its own shards' bytes,
+staged and moved into place). Registered with ``automodel.distributed.parallel_model`` when ``automodel.loading`` is imported.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ class ConsolidatedCheckpointWriter:
         safe_serialization: bool = True,
         **push_kwargs: Any,
     ) -> None:
-        """transformers' ``save_pretrained``, called on every rank: rank 0 writes ``model.safetensors`` (or the shards
-        and their index), ``config.json`` and ``generation_config.json`` into ``save_directory``, replacing the weight
-        files already there and keeping the other files, as transformers does. ``is_main_process`` is not needed
-        (rank 0 writes). The arguments this cannot honour are refused, naming them."""
+        """transformers' ``save_pretrained``, called on every rank: writes ``model.safetensors`` (or the shards and
+        their index; every rank its own shards' bytes), ``config.json`` and ``generation_config.json`` into
+        ``save_directory``, replacing the weight files already there and keeping the other files, as transformers
+        does. ``is_main_process`` is not needed (the ranks share the writing). The arguments this cannot honour are refused, naming them."""
         _refuse_unsupported(state_dict, save_original_format, distributed_checkpoint, safe_serialization)
         unknown = sorted(set(push_kwargs) - set(_PUSH_KEYWORDS))
         if unknown:
@@ -110,7 +110,7 @@ def _refuse_unsupported(
     if state_dict is not None:
         raise ValueError(
             "save_pretrained(state_dict=...) is not supported for a parallelized model: it saves the model's own "
-            "(sharded) weights, gathered one tensor at a time."
+            "(sharded) weights, each rank writing its own shards."
         )
     if not save_original_format:
         raise ValueError(

@@ -14,9 +14,11 @@ kill mid-save leaves the previous checkpoint as the newest complete one.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from automodel.distributed.pipelined_model import PipelinedModel
+from automodel.distributed.runtime import log_rank_zero
 
-__all__ = ["LATEST", "TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["LATEST", "Checkpointer", "TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 _COMPLETE = re.compile(r"step_(\d{8})")
 _TRAINER_STATE = "trainer_state.pt"
 LATEST = "LATEST"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,29 +70,105 @@ def save_checkpoint(
     directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, *, keep: int
 ) -> Path:
     """Write a checkpoint of ``state.step`` (collective: every rank calls it) and keep the newest ``keep``."""
-    directory = Path(directory)
-    final = directory / f"step_{state.step:08d}"
-    partial = final.with_name(final.name + ".partial")
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob("*.partial"):
-            shutil.rmtree(stale)
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(_state_module(model), optimizer, options=_FLAT_OPTIMIZER)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial)
-    if dist.get_rank() == 0:
-        torch.save(vars(state), partial / _TRAINER_STATE)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        partial.rename(final)  # the commit point
-        _point_latest_at(final)
-        complete = sorted(
-            (p for p in directory.iterdir() if _COMPLETE.fullmatch(p.name)), key=lambda p: int(p.name[5:])
-        )
-        for old in complete[:-keep]:
-            shutil.rmtree(old)
-    dist.barrier()
-    return final
+    return Checkpointer(directory, keep=keep).save(model, optimizer, state)
+
+
+class Checkpointer:
+    """Collective: the step checkpoints of one run in ``directory``, written synchronously or, with
+    ``asynchronous=True``, in the background (``torch.distributed.checkpoint.async_save``: the state is staged in
+    host memory, training goes on while the files are written).
+
+    At most one save is in flight: the next one, :meth:`wait` and :meth:`close` first finish it. A checkpoint is
+    committed (renamed from ``.partial``, ``LATEST`` moved to it, old ones pruned) only after every rank finished
+    writing it, so a crash or a kill during a save leaves the previous checkpoint the newest complete one. Each save
+    is logged when it starts and when it is complete, with its size and place.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int, asynchronous: bool = False) -> None:
+        self.directory = Path(directory)
+        self.keep = keep
+        # The background writes' collectives get a gloo group of their own, apart from training's.
+        self._group = dist.new_group(backend="gloo") if asynchronous else None
+        self._pending: _PendingSave | None = None
+        self.last: Path | None = None  # the newest committed checkpoint
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> Path:
+        """Start (asynchronous) or write a checkpoint of ``state.step``; its final path, where it will be once
+        committed."""
+        self.wait()
+        final = self.directory / f"step_{state.step:08d}"
+        partial = final.with_name(final.name + ".partial")
+        if dist.get_rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob("*.partial"):
+                shutil.rmtree(stale)
+        dist.barrier()
+        model_state, optimizer_state = get_state_dict(_state_module(model), optimizer, options=_FLAT_OPTIMIZER)
+        started = time.perf_counter()
+        mode = "in the background" if self._group is not None else "synchronously"
+        log_rank_zero(logger, "checkpoint of step %d: saving %s to %s", state.step, mode, final)
+        if dist.get_rank() == 0:
+            partial.mkdir()
+            torch.save(vars(state), partial / _TRAINER_STATE)
+        states = {"model": model_state, "optimizer": optimizer_state}
+        if self._group is None:
+            dcp.save(states, checkpoint_id=partial)
+            self._pending = _PendingSave(None, final, started, state.step)
+        else:
+            future = dcp.async_save(states, checkpoint_id=partial, process_group=self._group)
+            self._pending = _PendingSave(future, final, started, state.step)
+            log_rank_zero(
+                logger, "checkpoint of step %d: staged in %.2f s; training goes on", state.step, _since(started)
+            )
+        if self._group is None:
+            self.wait()
+        return final
+
+    def wait(self) -> Path | None:
+        """Finish the save in flight, if any, and commit it on every rank's completion; the newest committed
+        checkpoint."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self.last
+        if pending.future is not None:
+            pending.future.result()
+        dist.barrier()  # every rank wrote its part
+        if dist.get_rank() == 0:
+            partial = pending.final.with_name(pending.final.name + ".partial")
+            partial.rename(pending.final)  # the commit point
+            _point_latest_at(pending.final)
+            complete = sorted(
+                (p for p in self.directory.iterdir() if _COMPLETE.fullmatch(p.name)), key=lambda p: int(p.name[5:])
+            )
+            for old in complete[: -self.keep]:
+                shutil.rmtree(old)
+            size = sum(path.stat().st_size for path in pending.final.rglob("*") if path.is_file())
+            logger.info(
+                "checkpoint of step %d: complete, %.1f MiB in %.2f s: %s",
+                pending.step,
+                size / 2**20,
+                _since(pending.started),
+                pending.final,
+            )
+        dist.barrier()
+        self.last = pending.final
+        return self.last
+
+    def close(self) -> Path | None:
+        """Finish the save in flight; the newest committed checkpoint."""
+        return self.wait()
+
+
+@dataclass
+class _PendingSave:
+    future: Any  # the background save's Future; None when written synchronously
+    final: Path
+    started: float
+    step: int
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
 
 
 def _point_latest_at(checkpoint: Path) -> None:

@@ -138,11 +138,13 @@ class LoraSection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    """``dir``: where step checkpoints go (resumed from automatically); ``every_steps``: 0 saves only at the end."""
+    """``dir``: where step checkpoints go (resumed from automatically); ``every_steps``: 0 saves only at the end;
+    ``async`` (``async_`` here: a Python keyword): write them in the background while training goes on."""
 
     dir: str | None = None
     every_steps: int = 0
     keep: int = 2
+    async_: bool = dataclasses.field(default=False, metadata={"key": "async"})
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,19 @@ class RecipeConfig:
     export: ExportSection = field(default_factory=ExportSection)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain nested values (for logs, checkpoints and the model card)."""
-        return dataclasses.asdict(self)
+        """Plain nested values under the config's keys (for logs, checkpoints and the model card; the YAML it
+        dumps loads back)."""
+        return _plain(self)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {_key(item): _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 # Keys holding local paths, resolved against the YAML file's folder when relative. ``model.path`` may also be a hub
@@ -302,7 +315,7 @@ def describe_keys() -> str:
             continue
         defaults = hint()
         for key in dataclasses.fields(hint):
-            lines.append(f"  {name}.{key.name}: {getattr(defaults, key.name)!r}")
+            lines.append(f"  {name}.{_key(key)}: {getattr(defaults, key.name)!r}")
     return "\n".join(lines)
 
 
@@ -343,7 +356,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {raw!r}.")
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    names = {_key(f): f.name for f in dataclasses.fields(cls)}
+    fields = set(names)
     unknown = sorted(set(raw) - fields)
     if unknown:
         names = ", ".join(f"{prefix}{key}" for key in unknown)
@@ -351,13 +365,19 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             f"Unknown config key(s) {names}; {prefix.rstrip('.') or 'the top level'} accepts {sorted(fields)}."
         )
     values = {}
-    for name, value in raw.items():
+    for key, value in raw.items():
+        name = names[key]
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, value, f"{prefix}{name}.")
+            values[name] = _build(hint, value, f"{prefix}{key}.")
         else:
-            values[name] = _coerce(value, hint, f"{prefix}{name}")
+            values[name] = _coerce(value, hint, f"{prefix}{key}")
     return cls(**values)
+
+
+def _key(item: dataclasses.Field) -> str:
+    """The config key of a section's field: its name, or the one it is given where the name cannot be it."""
+    return item.metadata.get("key", item.name)
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

@@ -27,7 +27,7 @@ from automodel.distributed.runtime import log_rank_zero
 from automodel.loading.pipeline import transformers_model
 
 from .batches import DistributedBatchLoader, joined_batch
-from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpointer, TrainerState, latest_checkpoint, load_checkpoint
 from .config import ConfigError, LayoutSection, RecipeConfig, pipeline_microbatches, validate_vision_language
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
@@ -319,6 +319,10 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     last = train.max_steps
     if train.stop_after_steps is not None:
         last = min(last, result.resumed_from + train.stop_after_steps)
+    checkpoint = config.checkpoint
+    checkpointer = None
+    if checkpoint.dir is not None:
+        checkpointer = Checkpointer(checkpoint.dir, keep=checkpoint.keep, asynchronous=checkpoint.async_)
     bar = tqdm(range(result.resumed_from, last), desc=config.recipe, disable=not is_main)
     for step in bar:
         start = time.perf_counter()
@@ -338,7 +342,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
         )
         bubble = model.last_bubble if isinstance(model, PipelinedModel) else None
         _log(step + 1, result.losses[-1], lr, norm.item(), throughput, seconds, bar, writer, train.log_every, bubble)
-        if _should_save(config, step + 1, last) or (stop and config.checkpoint.dir is not None):
+        if checkpointer is not None and (_should_save(config, step + 1, last) or stop):
             state = TrainerState(
                 step + 1,
                 scheduler.state_dict(),
@@ -347,15 +351,17 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
                 result.losses,
                 _layout_of(config),
             )
-            result.checkpoint = save_checkpoint(
-                config.checkpoint.dir, model, optimizer, state, keep=config.checkpoint.keep
-            )
+            checkpointer.save(model, optimizer, state)  # in the background with checkpoint.async
         if validation is not None and (stop or _should_evaluate(train, step + 1, last)):
             result.eval_losses[step + 1] = _evaluate(validation, model, context, step + 1, writer)
         if stop:
             result.preempted = stop
+            if checkpointer is not None:
+                result.checkpoint = checkpointer.wait()
             _log_preemption(result, step + 1)
             break
+    if checkpointer is not None:
+        result.checkpoint = checkpointer.close()  # the save in flight, if any, completes and is committed
     if writer is not None:
         writer.close()
     result.model = model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -137,3 +138,67 @@ def save_pretrained_error(checkpoint: str, **kwargs: Any) -> str:
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def export_bytes(
+    checkpoint: str,
+    layout: dict[str, Any],
+    directory: str,
+    max_shard_size: str,
+    *,
+    vision: bool = False,
+    shared_staging: bool = True,
+) -> dict[str, Any]:
+    """Load ``checkpoint`` for ``layout`` and ``save_pretrained`` it on every rank; report the bytes this rank wrote
+    itself, and (rank 0) the digest of every file. ``shared_staging=False`` makes the ranks other than 0 not see the
+    staging directory (as on nodes without a shared file system)."""
+    from unittest import mock
+
+    from automodel.loading import parallel_export
+
+    loader = _loaders(vision)[0]
+    model = loader.from_pretrained(checkpoint, mesh_context=MeshContext.build(**layout), dtype=torch.float32)
+    written = []
+    real = parallel_export.write_box
+
+    def counted(fd, start, shape, offsets, data):
+        written.append(data.numel() * data.element_size())
+        real(fd, start, shape, offsets, data)
+
+    unseen = dist.get_rank() != 0 and not shared_staging
+    with (
+        mock.patch.object(parallel_export, "write_box", counted),
+        mock.patch.object(parallel_export, "_has_size", lambda path, size: False)
+        if unseen
+        else contextlib.nullcontext(),
+    ):
+        model.save_pretrained(directory, max_shard_size=max_shard_size)
+    facts: dict[str, Any] = {"bytes_written": sum(written)}
+    if dist.get_rank() == 0:
+        facts["digests"] = file_digests(Path(directory))
+    return facts
+
+
+def one_process_export(checkpoint: str, directory: str, max_shard_size: str, *, vision: bool = False) -> dict:
+    """The digests of the export of plain transformers' load of ``checkpoint`` in this one process (no sharding)."""
+    model = _loaders(vision)[1].from_pretrained(checkpoint, dtype=torch.float32)
+    save_hf_checkpoint(model, directory, max_shard_size=max_shard_size)
+    return file_digests(Path(directory))
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """The sha256 of every weight file and of the index in ``directory``."""
+    import hashlib
+
+    files = [*directory.glob("*.safetensors"), *directory.glob("*.index.json")]
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(files)}
+
+
+def _loaders(vision: bool) -> tuple[Any, Any]:
+    from transformers import AutoModelForImageTextToText
+
+    from automodel.auto_model import NeMoAutoModelForImageTextToText
+
+    if vision:
+        return NeMoAutoModelForImageTextToText, AutoModelForImageTextToText
+    return NeMoAutoModelForCausalLM, AutoModelForCausalLM

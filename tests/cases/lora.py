@@ -144,3 +144,47 @@ def dropout_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, float]:
         if p.requires_grad
     ]
     return {"logits": (full_tensor(out.logits) - ref.logits).abs().max().item(), "grad": max(grads)}
+
+
+def adapter_bytes(checkpoint: str, layout: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Save the adapter of ``layout`` on every rank (the bytes this rank wrote itself), and on rank 0 peft's own
+    ``save_pretrained`` of a plain model holding the same factors, for a byte-for-byte comparison."""
+    import copy
+    import hashlib
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    from automodel.loading import parallel_export
+    from automodel.lora_checkpoint import ADAPTER_WEIGHTS, save_lora_adapter
+
+    model = NeMoAutoModelForCausalLM.from_pretrained(
+        checkpoint, mesh_context=MeshContext.build(**layout), peft_config=LORA
+    )
+    _random_lora_b(model)
+    written = []
+    real = parallel_export.write_box
+
+    def counted(fd, start, shape, offsets, data):
+        written.append(data.numel() * data.element_size())
+        real(fd, start, shape, offsets, data)
+
+    with mock.patch.object(parallel_export, "write_box", counted):
+        save_lora_adapter(model, directory)
+    factors = {name: full_tensor(param.detach()) for name, param in model.named_parameters() if "lora_" in name}
+    facts: dict[str, Any] = {"bytes_written": sum(written)}
+    if dist.get_rank() == 0:
+        plain = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint), copy.deepcopy(LORA))
+        with torch.no_grad():
+            for name, param in plain.base_model.model.named_parameters():
+                if name in factors:
+                    param.copy_(factors[name])
+        reference = Path(tempfile.mkdtemp())
+        plain.save_pretrained(reference)
+
+        def digest(folder: Path) -> str:
+            return hashlib.sha256((folder / ADAPTER_WEIGHTS).read_bytes()).hexdigest()
+
+        facts["same_bytes"] = digest(Path(directory)) == digest(reference)
+        facts["factors"] = len(factors)
+    return facts

@@ -116,24 +116,38 @@ def _adapter_matches(result, base: str, adapter: Path) -> float | None:
 
 def train_with_a_crash_during_save(config_path: str, overrides: list[str], crash_step: int) -> dict[str, Any]:
     """Run a recipe whose checkpoint write of ``crash_step`` dies after the files are written but before the
-    checkpoint is committed (as a kill at that moment would); report what is left on disk."""
+    checkpoint is committed (as a kill at that moment would; with ``checkpoint.async=true``, in the background);
+    report what is left on disk."""
     import automodel.training.checkpoint as checkpoint
 
-    original = checkpoint.dcp.save
+    original, original_async = checkpoint.dcp.save, checkpoint.dcp.async_save
+    dying = f"step_{crash_step:08d}"
 
     def dying_save(state, *, checkpoint_id):
         original(state, checkpoint_id=checkpoint_id)
-        if f"step_{crash_step:08d}" in str(checkpoint_id):
+        if dying in str(checkpoint_id):
             raise RuntimeError("killed while writing a checkpoint")
 
-    checkpoint.dcp.save = dying_save
+    class DyingFuture:
+        def __init__(self, future):
+            self.future = future
+
+        def result(self):
+            self.future.result()
+            raise RuntimeError("killed while writing a checkpoint")
+
+    def dying_async_save(state, *, checkpoint_id, process_group):
+        future = original_async(state, checkpoint_id=checkpoint_id, process_group=process_group)
+        return DyingFuture(future) if dying in str(checkpoint_id) else future
+
+    checkpoint.dcp.save, checkpoint.dcp.async_save = dying_save, dying_async_save
     try:
         run(load_config(config_path, overrides))
         error = None
     except RuntimeError as exc:
         error = str(exc)
     finally:
-        checkpoint.dcp.save = original
+        checkpoint.dcp.save, checkpoint.dcp.async_save = original, original_async
     config = load_config(config_path, overrides)
     directory = Path(config.checkpoint.dir)
     return {
