@@ -46,3 +46,102 @@ def test_readme_training_loop_runs_under_torchrun_and_saves_a_checkpoint(tmp_pat
     assert "step 2: loss" in result.stdout and "(LlamaForCausalLM, 2 ranks: dp=1, tp=2)" in result.stdout, result.stdout
     model = AutoModelForCausalLM.from_pretrained(output)
     assert model.config.num_hidden_layers == 2 and (output / "model.safetensors").is_file()
+
+
+def test_a_killed_rank_costs_one_restart_and_the_restart_resumes_from_the_checkpoint(tmp_path):
+    """Under torchrun's --max-restarts (what ``automodel sft --max-restarts 1`` passes on), rank 1 is SIGKILLed during
+    step 8; torchrun restarts both processes, which resume from the step-5 checkpoint by themselves and finish with
+    the losses of an uninterrupted run."""
+    import json
+    import os
+
+    from tests.cases.training import CHAT_DATA, save_tiny_chat_checkpoint
+
+    model = save_tiny_chat_checkpoint(tmp_path / "model")
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        f"""
+recipe: sft
+model: {{path: {model}}}
+data: {{path: {CHAT_DATA}}}
+train: {{max_steps: 12, global_batch_size: 8, micro_batch_size: 2, seq_len: 48, lr: 3.0e-3, warmup_steps: 3}}
+checkpoint: {{dir: {tmp_path / "ckpt"}, every_steps: 5}}
+"""
+    )
+    script = REPO / "tests" / "scripts" / "misbehaving_rank.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = {}
+    for name, restarts, kill_step in (("uninterrupted", 0, 1000), ("killed", 1, 7)):
+        out = tmp_path / f"{name}.json"
+        overrides = [] if name == "killed" else [f"checkpoint.dir={tmp_path / 'plain'}"]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   f"--max-restarts={restarts}", str(script), "kill", str(out), str(kill_step), "sft", "--config",
+                   str(config),
+                   *overrides]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=420, check=False, env=env)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[name] = (json.loads(out.read_text()), result.stdout + result.stderr)
+    (plain, _), (killed, log) = runs["uninterrupted"], runs["killed"]
+    assert killed["resumed_from"] == 5, log[-3000:]
+    assert killed["losses"] == plain["losses"] and len(plain["losses"]) == 12
+    assert f"restart 1 of 1: resuming from {tmp_path / 'ckpt' / 'step_00000005'}" in log, log[-3000:]
+
+
+def test_a_rank_that_stops_participating_ends_the_run_with_its_stacks_not_a_hang(tmp_path):
+    """train.hang_timeout_s=10: rank 1 stops in step 3; both ranks dump their stacks, say where they wait (rank 0 in a
+    collective, rank 1 outside any), and exit with 124 well within the timeout + 60 s."""
+    import os
+    import time
+
+    from tests.cases.training import CHAT_DATA, save_tiny_chat_checkpoint
+
+    model = save_tiny_chat_checkpoint(tmp_path / "model")
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        f"""
+recipe: sft
+model: {{path: {model}}}
+data: {{path: {CHAT_DATA}}}
+train: {{max_steps: 12, global_batch_size: 8, micro_batch_size: 2, seq_len: 48, hang_timeout_s: 10}}
+"""
+    )
+    script = REPO / "tests" / "scripts" / "misbehaving_rank.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+               "hang", str(tmp_path / "out.json"), "2", "sft", "--config", str(config)]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, check=False, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode != 0 and time.monotonic() - started < 10 + 60 + 60, log[-3000:]  # + start-up
+    assert "Thread 0x" in log or "Current thread" in log, "faulthandler's stacks"
+    assert "automodel: rank 1: no training step completed in" in log, log[-3000:]
+    assert "rank 1: no training step completed" in log and "busy outside any collective" in log, log[-3000:]
+    assert "automodel: rank 0: no training step completed" in log and "waiting in torch.distributed's" in log, log[
+        -3000:
+    ]
+    assert "after step 2" in log
+
+
+def test_automodel_passes_max_restarts_to_torchrun(tmp_path, monkeypatch):
+    from automodel.training import cli
+
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"recipe: sft\nmodel: {{path: {tmp_path}}}\ndata: {{path: {tmp_path}}}\n")
+    launched = []
+
+    class Recorded:
+        pid = 0
+
+        def __init__(self, command, **kwargs):
+            launched.append(command)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
+    monkeypatch.setattr("automodel.training.loop.prepare_model", lambda config: None)
+    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: None)
+    assert cli.main(["sft", "--config", str(config), "--nproc-per-node", "2", "--max-restarts", "3"]) == 0
+    assert "--max-restarts=3" in launched[0] and "--nproc-per-node=2" in launched[0]
+    assert cli.main(["sft", "--config", str(config), "--max-restarts", "-1"]) == 2

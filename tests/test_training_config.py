@@ -57,6 +57,7 @@ def test_yaml_and_overrides_give_typed_sections(config_file):
         ("model.path=", "model.path"),
         ("checkpoint.dir=null", "checkpoint.every_steps is set but checkpoint.dir is not"),
         ("train.warmup_steps=31", "train.warmup_steps=31 must be in [0, train.max_steps]"),
+        ("train.hang_timeout_s=-1", "train.hang_timeout_s=-1.0 must be 0 (no watchdog) or more"),
         ("train", "is not `dotted.key=value`"),
     ],
 )

@@ -70,14 +70,27 @@ def _ensure_process_group() -> None:
             "MeshContext.build needs torch.distributed: launch with `torchrun --nproc-per-node N script.py` or call "
             "torch.distributed.init_process_group() first."
         )
+    restart = _restart_store()
     if not torch.cuda.is_available():
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", **restart)
         return
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     # A bound device lets `init_device_mesh` create each mesh dim's groups with one `split_group` (ncclCommSplit)
     # instead of one `new_group` call per subgroup of the whole world: O(1) instead of O(N) calls per rank.
-    dist.init_process_group(backend="nccl", device_id=device)
+    dist.init_process_group(backend="nccl", device_id=device, **restart)
+
+
+def _restart_store() -> dict[str, object]:
+    """After a torchrun restart (``--max-restarts``), the store keys of this attempt's own: without them, a restarted
+    gloo group reads the connection addresses of the attempt that died, and its init fails ("connectFullMesh failed
+    ... Connection refused", torch 2.13). Nothing (the default ``env://`` init) on a first attempt."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        return {}
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    store = dist.PrefixStore(f"automodel/restart_{attempt}", client)
+    return {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 # How long a process that used gloo releases the GIL at exit (see `_let_gloo_workers_finish`).

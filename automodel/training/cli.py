@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=1, help="processes to start with torchrun (ignored under torchrun)"
     )
     parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the processes this many times when one dies (torchrun's --max-restarts); each restart "
+        "resumes from the newest complete checkpoint in checkpoint.dir",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config (defaults filled in) and exit"
     )
     parser.add_argument(
@@ -82,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if (args.nproc_per_node < 1 or args.nnodes < 1) and not under_torchrun:
         print("automodel: --nproc-per-node and --nnodes must be at least 1", file=sys.stderr)
         return 2
+    if args.max_restarts < 0:
+        print("automodel: --max-restarts must be 0 or more", file=sys.stderr)
+        return 2
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc_per_node * args.nnodes
     try:
         config = load_config(args.config, args.overrides, recipe=args.recipe)
@@ -115,6 +125,7 @@ def _launch(args: argparse.Namespace, config) -> int:
         *torchrun_options,
         *_rendezvous_options(args),
         f"--nproc-per-node={args.nproc_per_node}",
+        f"--max-restarts={args.max_restarts}",
         "-m",
         "automodel.training.cli",
         args.recipe,

@@ -124,6 +124,9 @@ class TrainSection:
     # With layout.pp_size > 1: the microbatches the pipeline schedule runs per step (each rank's share of the global
     # batch split into equal parts; null: one per train.micro_batch_size rows, the gradient accumulation steps).
     pp_microbatches: int | None = None
+    # A hung run ends: if no step completes within this many seconds, every rank dumps its stacks, says where it
+    # waits, and exits with status 124 (0: no watchdog).
+    hang_timeout_s: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -480,6 +483,8 @@ def _validate(config: RecipeConfig) -> None:
     if model.kind == "image_text_to_text":
         validate_vision_language(config)
     _validate_lora(config)
+    if config.train.hang_timeout_s < 0:
+        raise ConfigError(f"train.hang_timeout_s={config.train.hang_timeout_s} must be 0 (no watchdog) or more.")
     if config.checkpoint.every_steps < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1.")
     if config.checkpoint.every_steps and config.checkpoint.dir is None:

@@ -38,6 +38,7 @@ from .packing import check_packed_attention
 from .preemption import PreemptionHandler
 from .tiny_model import write_tiny_model
 from .vlm import IMAGE_TEXT_TO_TEXT, model_kind, resolve_image_paths, tokenize_vlm_sft
+from .watchdog import HangWatchdog
 
 __all__ = ["TrainResult", "build_mesh_context", "run", "train_step"]
 
@@ -285,6 +286,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     loss_fn = make_loss(train.loss, train.loss_chunk_size)
     result = TrainResult()
     resume = latest_checkpoint(config.checkpoint.dir)
+    _log_restart(resume)
     if resume is not None:
         state = load_checkpoint(resume, model, optimizer)
         lr = resume_schedule(optimizer, scheduler, train, state.step)
@@ -324,42 +326,47 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     if checkpoint.dir is not None:
         checkpointer = Checkpointer(checkpoint.dir, keep=checkpoint.keep, asynchronous=checkpoint.async_)
     bar = tqdm(range(result.resumed_from, last), desc=config.recipe, disable=not is_main)
-    for step in bar:
-        start = time.perf_counter()
-        micro_batches = loader.next_global_batch()
-        loss = train_step(model, micro_batches, context, loss_fn)
-        norm = clip_grad_norm(model.parameters(), train.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        tokens, stop = _step_facts(micro_batches, preemption, context, device)
-        seconds = time.perf_counter() - start
-        result.losses.append(loss.item())
-        result.learning_rates.append(lr)
-        throughput = Throughput(
-            tokens / seconds, model_flops_utilization(tokens / seconds, flops, train.peak_tflops, dist.get_world_size())
-        )
-        bubble = model.last_bubble if isinstance(model, PipelinedModel) else None
-        _log(step + 1, result.losses[-1], lr, norm.item(), throughput, seconds, bar, writer, train.log_every, bubble)
-        if checkpointer is not None and (_should_save(config, step + 1, last) or stop):
-            state = TrainerState(
-                step + 1,
-                scheduler.state_dict(),
-                loader.state_dict(),
-                torch.get_rng_state(),
-                result.losses,
-                _layout_of(config),
+    with HangWatchdog(train.hang_timeout_s, rank=dist.get_rank()) as watchdog:
+        for step in bar:
+            start = time.perf_counter()
+            micro_batches = loader.next_global_batch()
+            loss = train_step(model, micro_batches, context, loss_fn)
+            norm = clip_grad_norm(model.parameters(), train.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            tokens, stop = _step_facts(micro_batches, preemption, context, device)
+            seconds = time.perf_counter() - start
+            result.losses.append(loss.item())
+            result.learning_rates.append(lr)
+            throughput = Throughput(
+                tokens / seconds,
+                model_flops_utilization(tokens / seconds, flops, train.peak_tflops, dist.get_world_size()),
             )
-            checkpointer.save(model, optimizer, state)  # in the background with checkpoint.async
-        if validation is not None and (stop or _should_evaluate(train, step + 1, last)):
-            result.eval_losses[step + 1] = _evaluate(validation, model, context, step + 1, writer)
-        if stop:
-            result.preempted = stop
-            if checkpointer is not None:
-                result.checkpoint = checkpointer.wait()
-            _log_preemption(result, step + 1)
-            break
+            bubble = model.last_bubble if isinstance(model, PipelinedModel) else None
+            _log(
+                step + 1, result.losses[-1], lr, norm.item(), throughput, seconds, bar, writer, train.log_every, bubble
+            )
+            watchdog.beat(step + 1)
+            if checkpointer is not None and (_should_save(config, step + 1, last) or stop):
+                state = TrainerState(
+                    step + 1,
+                    scheduler.state_dict(),
+                    loader.state_dict(),
+                    torch.get_rng_state(),
+                    result.losses,
+                    _layout_of(config),
+                )
+                checkpointer.save(model, optimizer, state)  # in the background with checkpoint.async
+            if validation is not None and (stop or _should_evaluate(train, step + 1, last)):
+                result.eval_losses[step + 1] = _evaluate(validation, model, context, step + 1, writer)
+            if stop:
+                result.preempted = stop
+                if checkpointer is not None:
+                    result.checkpoint = checkpointer.wait()
+                _log_preemption(result, step + 1)
+                break
     if checkpointer is not None:
         result.checkpoint = checkpointer.close()  # the save in flight, if any, completes and is committed
     if writer is not None:
@@ -368,6 +375,15 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     if config.export.dir is not None and last == train.max_steps and result.preempted is None:
         result.export_dir = str(_export(config, model, tokenizer))
     return result
+
+
+def _log_restart(resume: Path | None) -> None:
+    """Under torchrun's restarts (``--max-restarts``), say which restart this is and where it resumes."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0:
+        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        where = f"resuming from {resume}" if resume is not None else "no checkpoint to resume from, starting over"
+        log_rank_zero(logger, "restart %d of %s: %s", restart, limit, where)
 
 
 def _whole_model(model: nn.Module) -> nn.Module:
