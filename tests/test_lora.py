@@ -165,7 +165,8 @@ def test_adapters_follow_colwise_and_rowwise_layers_and_refuse_other_styles():
 
 @pytest.mark.parametrize(
     ("world", "layout"),
-    [(4, {"strategy": "fsdp2"}), (4, {"strategy": "fsdp2", "tp_size": 2}), (4, {"strategy": "fsdp2", "dp_replicate_size": 2})],
+    [pytest.param(4, {"strategy": "fsdp2"}, marks=pytest.mark.slow), (4, {"strategy": "fsdp2", "tp_size": 2}),
+     pytest.param(4, {"strategy": "fsdp2", "dp_replicate_size": 2}, marks=pytest.mark.slow)],
     ids=["fsdp2", "fsdp2_x_tp2", "hsdp"],
 )  # fmt: skip
 def test_the_saved_adapter_is_peft_save_pretrained_byte_for_byte_written_by_every_rank(

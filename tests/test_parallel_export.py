@@ -105,8 +105,15 @@ CASES = {
 }
 
 
+#: The cells on the quick suite (dim-0 shards with rowwise runs, replicas, gathered experts, a sidecar's renames); the
+#: rest (DDP, uneven shards, a VLM, a dequantized load, ...) in the slow matrix.
+QUICK = {"llama-fsdp2_x_tp2", "llama_tied-hsdp", "mixtral-ep2", "nemotron_h-tp2"}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, marks=[] if case in QUICK else [pytest.mark.slow]) for case in CASES]
+)
 def test_the_export_is_the_one_process_export_byte_for_byte_written_by_every_rank(request, checkpoints, tmp_path, case):
     name, layout, world = CASES[case]
     vision = name == "llava"

@@ -108,7 +108,7 @@ class Checkpointer:
         mode = "in the background" if self._group is not None else "synchronously"
         log_rank_zero(logger, "checkpoint of step %d: saving %s to %s", state.step, mode, final)
         if dist.get_rank() == 0:
-            partial.mkdir()
+            partial.mkdir(exist_ok=True)  # the other ranks' dcp writers may have made it already
             torch.save(vars(state), partial / _TRAINER_STATE)
         states = {"model": model_state, "optimizer": optimizer_state}
         if self._group is None:
