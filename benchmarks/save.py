@@ -206,8 +206,6 @@ def main() -> None:
     for world in args.ranks:
         with tempfile.TemporaryDirectory(dir=checkpoint.parent) as scratch:
             rows = run_ranks(_rank_main, world, str(checkpoint), scratch, args.rounds)
-        if os.environ.get("BENCH_RAW"):
-            print(world, rows[0]["timings"])
         median = {name: statistics.median(rows[0]["timings"][name]) for name in CONTENDERS}
         peak = {name: max(max(row["growth"][name]) for row in rows) for name in CONTENDERS}
         shards = max(row["local_bytes"] for row in rows)
