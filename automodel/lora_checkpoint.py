@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel.distributed.runtime import full_tensor, is_rank_zero
+from automodel.distributed.runtime import is_rank_zero
 from automodel.loading.agreement import agree_or_raise
 from automodel.loading.checkpoint_files import CheckpointFiles, open_safetensors_file
-from automodel.loading.parallel_export import WeightFiles, make_staging_dir, write_weight_files
+from automodel.loading.parallel_export import WeightFiles, gathered_to, make_staging_dir, write_weight_files
 from automodel.loading.pipeline import transformers_model
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoraAdapter", "peft_key", "read_lora_adapter", "save_lora_adapter"]
@@ -105,7 +105,7 @@ def save_lora_adapter(model: nn.Module, directory: str | os.PathLike, *, adapter
         source_of=stored,
         direct=set(stored),  # the factors are stored as they are, under peft's names
         local=parameters,
-        gather=lambda name, owner: _gathered(parameters[name], owner),
+        gather=lambda name, owner: gathered_to(parameters[name], owner),
         convert=lambda name, full: {peft_key(name, adapter_name): full},
     )
     staging = make_staging_dir(target, ".adapter-tmp")
@@ -123,16 +123,6 @@ def save_lora_adapter(model: nn.Module, directory: str | os.PathLike, *, adapter
         if is_rank_zero():
             shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def _gathered(tensor: torch.Tensor, owner: int) -> torch.Tensor | None:
-    """Collective: the full ``tensor`` on rank ``owner``, ``None`` elsewhere."""
-    full = full_tensor(tensor)
-    return full if _rank() == owner else None
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _saved_config(model: nn.Module, config: Any) -> Any:

@@ -13,6 +13,8 @@ For each model shape, layout, world size N and simulated rank (0 and N-1), a fre
   backend it calls ``new_group`` once per subgroup of every mesh dim: O(N); NCCL with a bound device splits);
 - **parallelize CPU seconds**, split into torch's ``fully_shard`` and the project's own part (everything else);
 - **load planning CPU seconds**: ``local_indices`` for every parameter, the indices the loader reads;
+- **export writers CPU seconds**: ``assign_writers`` over the whole state dict, who writes which box of the
+  parallel export (decided from placements, one all-reduce of one integer per tensor);
 - **peak RSS** of the process.
 
 With ``--load``, ``from_pretrained`` also runs on a header-only safetensors checkpoint (real headers and index, a
@@ -21,7 +23,7 @@ and CPU time (user + system: the kernel's page-cache work is charged to the read
 against the local shards, and the same rank's load under FSDP2 alone (the reference the TP load is held to). A
 model is loaded after its parallelize run in the same process, so imports are outside the load's span.
 
-Figures that should not grow with N (per-rank planning and the project's parallelize time, padded / ideal bytes)
+Figures that should not grow with N (per-rank load planning, export writers and the project's parallelize time, padded / ideal bytes)
 are flagged when the largest N's value exceeds twice the smallest's.
 """
 
@@ -152,6 +154,12 @@ def simulate_rank(model: str, layout: dict, world: int, rank: int, checkpoint: s
     for param in parallel.parameters():
         local_indices(param)
     planning = time.process_time() - start
+    from automodel.loading.region_writes import assign_writers
+
+    state = parallel.state_dict()
+    start = time.process_time()
+    writes, _ = assign_writers(sorted(state), state)
+    writers = time.process_time() - start
     result = {
         "model": model,
         "world": world,
@@ -165,6 +173,8 @@ def simulate_rank(model: str, layout: dict, world: int, rank: int, checkpoint: s
         "torch_fully_shard_s": torch_seconds[0],
         "project_parallelize_s": parallelize - torch_seconds[0],
         "load_planning_s": planning,
+        "export_writers_s": writers,
+        "export_boxes": len(writes),
         "peak_rss_bytes": peak_rss_bytes(),
     }
     del parallel, meta
@@ -281,7 +291,7 @@ def print_header() -> None:
     print(
         f"{'model':12s} {'layout':9s} {'N':>5s} {'rank':>5s} {'local MiB':>10s} {'padded MiB':>10s} {'ideal MiB':>9s} "
         f"{'padded/ideal':>12s} {'mesh s':>7s} {'parallelize s':>13s} {'torch s':>8s} {'ours s':>7s} {'plan s':>7s} "
-        f"{'RSS MiB':>8s}"
+        f"{'writers s':>9s} {'RSS MiB':>8s}"
     )
 
 
@@ -298,7 +308,7 @@ def print_rows(rows: list[dict]) -> None:
             f"{row['padded_bytes'] / mib:10.0f} {row['ideal_bytes'] / mib:9.0f} "
             f"{row['padded_bytes'] / row['ideal_bytes']:12.2f} {row['mesh_s']:7.2f} {row['parallelize_s']:13.2f} "
             f"{row['torch_fully_shard_s']:8.2f} {row['project_parallelize_s']:7.2f} {row['load_planning_s']:7.3f} "
-            f"{row['peak_rss_bytes'] / mib:8.0f}"
+            f"{row['export_writers_s']:9.3f} {row['peak_rss_bytes'] / mib:8.0f}"
         )
         if "load_s" in row:
             print(
@@ -321,7 +331,7 @@ def flag_growth(rows: list[dict]) -> list[str]:
         small, large = group[0], group[-1]
         if small is large:
             continue
-        for key in ("project_parallelize_s", "load_planning_s"):
+        for key in ("project_parallelize_s", "load_planning_s", "export_writers_s"):
             if large[key] > GROWTH_LIMIT * max(small[key], 0.05):
                 flags.append(
                     f"{model} {layout} rank {'0' if first else 'N-1'}: {key} {small[key]:.2f} s at "

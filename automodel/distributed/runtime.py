@@ -13,7 +13,17 @@ from torch.distributed.tensor import DTensor
 if TYPE_CHECKING:
     from .mesh import MeshContext
 
-__all__ = ["collective_device", "device_of", "full_tensor", "is_rank_zero", "log_rank_zero"]
+__all__ = ["collective_device", "device_of", "full_tensor", "is_rank_zero", "log_rank_zero", "rank", "world_size"]
+
+
+def rank() -> int:
+    """This process's rank in the default process group; 0 in a process without one."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The default process group's size; 1 in a process without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def is_rank_zero() -> bool:

@@ -27,11 +27,11 @@ from transformers import PreTrainedModel
 
 from automodel._compat.transformers import remove_tied_weights_from_state_dict, revert_weight_conversion
 from automodel.distributed.pipelined_model import PipelinedModel
-from automodel.distributed.runtime import full_tensor, is_rank_zero
+from automodel.distributed.runtime import is_rank_zero
 
 from .agreement import agree_or_raise
 from .model_card import ModelCardInfo, push_to_hub, write_model_card
-from .parallel_export import WeightFiles, make_staging_dir, write_weight_files
+from .parallel_export import WeightFiles, gathered_to, make_staging_dir, write_weight_files
 
 __all__ = [
     "ModelCardInfo",
@@ -267,8 +267,7 @@ def _weight_files(
     def gathered(source: str, owner: int) -> torch.Tensor | None:
         if gather is not None:
             return gather(source)
-        full = full_tensor(plan.sources[source].detach())
-        return full if _rank() == owner else None
+        return gathered_to(plan.sources[source], owner)
 
     def convert(source: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
         return revert_weight_conversion(inner, {source: full.detach().cpu()})
@@ -283,10 +282,6 @@ def _weight_files(
         convert=convert,
         gathers_to_rank_zero=gather is not None,
     )
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _write_metadata(

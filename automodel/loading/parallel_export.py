@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from automodel.distributed.runtime import collective_device
+from automodel.distributed import runtime
 
 from .agreement import agree_or_raise
-from .region_writes import Box, assign_writers, local_box, write_box
+from .region_writes import Box, assign_writers, gathered_to, write_box
 from .safetensors_layout import FileLayout, file_layout
 
-__all__ = ["WeightFiles", "make_staging_dir", "write_weight_files"]
+__all__ = ["WeightFiles", "gathered_to", "make_staging_dir", "write_weight_files"]
 
 _METADATA = {"format": "pt"}
 
@@ -54,19 +54,23 @@ class WeightFiles:
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
     gathers_to_rank_zero: bool = False  # ``gather`` delivers on rank 0 whatever the owner asked for
 
+    def local_by_stored(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors under the stored names written as boxes."""
+        return {name: self.local[self.source_of[name]] for name in self.direct if self.source_of[name] in self.local}
+
 
 def make_staging_dir(target: Path, suffix: str) -> Path | None:
     """Collective: a fresh temporary directory beside ``target``, created by rank 0; its path on every rank (``None``
     on the others when rank 0 failed, which raises on every rank)."""
     path, error = None, None
-    if _rank() == 0:
+    if runtime.rank() == 0:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             path = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent))
         except Exception as exc:
             error = exc
     agree_or_raise(error, f"Creating a temporary directory beside {target}")
-    if _world() > 1:
+    if runtime.world_size() > 1:
         shared = [path]
         dist.broadcast_object_list(shared, src=0)
         path = shared[0]
@@ -77,7 +81,7 @@ def write_weight_files(staging: Path, spec: WeightFiles, what: str) -> None:
     """Collective: write ``spec``'s files into ``staging`` (from :func:`make_staging_dir`)."""
     layouts = {name: file_layout({k: spec.stored[k] for k in names}, _METADATA) for name, names in spec.files.items()}
     error = None
-    if _rank() == 0:
+    if runtime.rank() == 0:
         try:
             for name, layout in layouts.items():
                 _create(staging / name, layout)
@@ -88,21 +92,14 @@ def write_weight_files(staging: Path, spec: WeightFiles, what: str) -> None:
     where = {stored: (name, layout.offsets[stored]) for name, layout in layouts.items() for stored in spec.files[name]}
     shapes = {name: tuple(tensor.shape) for name, tensor in spec.stored.items()}
 
-    held: dict[Box, torch.Tensor] = {}
-    error = None
-    try:
-        for stored in sorted(spec.direct):
-            tensor = spec.local.get(spec.source_of[stored])
-            part = None if tensor is None else local_box(stored, tensor)
-            if part is not None and part[1].numel() > 0:
-                held[part[0]] = part[1]
-    except Exception as exc:
-        error = exc
-    agree_or_raise(error, f"Reading the local shards for {what}")
+    mine: list[tuple[Box, torch.Tensor]] = []
+    uncovered, error = set(spec.direct), None
     if shared:
-        mine, uncovered = assign_writers(list(held), {name: shapes[name] for name in spec.direct})
-    else:
-        mine, uncovered = [], set(spec.direct)
+        try:
+            mine, uncovered = assign_writers(sorted(spec.direct), spec.local_by_stored())
+        except Exception as exc:
+            error = exc
+    agree_or_raise(error, f"Reading the local shards for {what}")
     whole = [name for names in spec.files.values() for name in names if name not in spec.direct or name in uncovered]
     sources = list(dict.fromkeys(spec.source_of[name] for name in whole))
     needed = set(whole)
@@ -110,12 +107,12 @@ def write_weight_files(staging: Path, spec: WeightFiles, what: str) -> None:
     files = _OpenFiles(staging)
     error = None
     try:
-        for box in mine:
+        for box, data in mine:
             file, start = where[box.name]
-            write_box(files[file], start, shapes[box.name], box.offsets, held[box])
+            write_box(files[file], start, shapes[box.name], box.offsets, data)
     except Exception as exc:
         error = exc
-    rank, world = _rank(), _world()
+    rank, world = runtime.rank(), runtime.world_size()
     for number, source in enumerate(sources):
         owner = 0 if spec.gathers_to_rank_zero or not shared else number % world
         full = spec.gather(source, owner)
@@ -168,18 +165,10 @@ class _OpenFiles(dict):
         self.clear()
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _everywhere(flag: bool) -> bool:
     """Collective: whether ``flag`` holds on every rank."""
-    if _world() == 1:
+    if runtime.world_size() == 1:
         return flag
-    value = torch.tensor([int(flag)], device=collective_device())
+    value = torch.tensor([int(flag)], device=runtime.collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())

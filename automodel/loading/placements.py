@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -11,7 +12,7 @@ from torch.distributed.tensor.placement_types import Placement
 from automodel._compat.torch import StridedShard
 from automodel.distributed.megatron_fsdp import is_megatron_fsdp_parameter, megatron_fsdp_local_indices
 
-__all__ = ["IndexRuns", "local_indices", "local_runs", "rank_classes", "to_runs"]
+__all__ = ["IndexRuns", "index_runs_at", "local_index_runs", "local_indices", "local_runs", "rank_classes", "to_runs"]
 
 # For each tensor dim, the sorted-by-local-position list of contiguous global ranges (start, stop) a rank holds.
 IndexRuns = list[list[tuple[int, int]]]
@@ -28,19 +29,7 @@ def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
     """
     if is_megatron_fsdp_parameter(tensor):
         return megatron_fsdp_local_indices(tensor)
-    runs: IndexRuns = [[(0, size)] for size in tensor.shape]
-    if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            raise RuntimeError("this rank is not part of the tensor's device mesh")
-        for mesh_dim, placement in enumerate(tensor.placements):
-            # `StridedShard.is_shard()` is False in torch 2.13, so test the types.
-            if not isinstance(placement, (Shard, StridedShard)):
-                continue
-            dim = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
-            runs[dim] = local_runs(runs[dim], placement, mesh.size(mesh_dim), coordinate[mesh_dim])
-    indices = [_from_runs(dim_runs) for dim_runs in runs]
+    indices = [_from_runs(dim_runs) for dim_runs in local_index_runs(tensor)]
     if isinstance(tensor, DTensor):
         local_shape = tuple(tensor.to_local().shape)
         if tuple(len(dim_indices) for dim_indices in indices) != local_shape:
@@ -50,6 +39,30 @@ def local_indices(tensor: torch.Tensor) -> list[torch.Tensor]:
                 "split rules)."
             )
     return indices
+
+
+def local_index_runs(tensor: torch.Tensor) -> IndexRuns:
+    """For each dim, this rank's global indices of ``tensor`` (a plain tensor or a ``DTensor``) as ascending runs in
+    local order: :func:`local_indices` before it expands them, computed in closed form."""
+    if not isinstance(tensor, DTensor):
+        return [[(0, size)] for size in tensor.shape]
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError("this rank is not part of the tensor's device mesh")
+    return index_runs_at(tensor, coordinate)
+
+
+def index_runs_at(tensor: DTensor, coordinate: Sequence[int]) -> IndexRuns:
+    """:func:`local_index_runs` of the rank at ``coordinate`` of ``tensor``'s mesh."""
+    runs: IndexRuns = [[(0, size)] for size in tensor.shape]
+    mesh = tensor.device_mesh
+    for mesh_dim, placement in enumerate(tensor.placements):
+        # `StridedShard.is_shard()` is False in torch 2.13, so test the types.
+        if not isinstance(placement, (Shard, StridedShard)):
+            continue
+        dim = placement.dim if placement.dim >= 0 else placement.dim + tensor.ndim
+        runs[dim] = local_runs(runs[dim], placement, mesh.size(mesh_dim), coordinate[mesh_dim])
+    return runs
 
 
 def local_runs(runs: list[tuple[int, int]], placement: Placement, num_chunks: int, index: int) -> list[tuple[int, int]]:
