@@ -48,10 +48,19 @@ def test_readme_training_loop_runs_under_torchrun_and_saves_a_checkpoint(tmp_pat
     assert model.config.num_hidden_layers == 2 and (output / "model.safetensors").is_file()
 
 
-def test_a_killed_rank_costs_one_restart_and_the_restart_resumes_from_the_checkpoint(tmp_path):
-    """Under torchrun's --max-restarts (what ``automodel sft --max-restarts 1`` passes on), rank 1 is SIGKILLed during
-    step 8; torchrun restarts both processes, which resume from the step-5 checkpoint by themselves and finish with
-    the losses of an uninterrupted run."""
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "kill-in-async-save",
+        pytest.param("kill-in-step", marks=pytest.mark.slow),
+    ],
+)
+def test_a_killed_rank_costs_one_restart_and_the_restart_resumes_from_the_checkpoint(tmp_path, mode):
+    """Under torchrun's --max-restarts (what ``automodel sft --max-restarts 1`` passes on), rank 1 is SIGKILLed:
+    from inside the background write of the step-10 checkpoint (``checkpoint.async=true``: training goes on while
+    it is written), or during step 8 (synchronous checkpoints). torchrun restarts both processes, which resume from
+    the step-5 checkpoint by themselves (the step-10 one was never committed) and finish with the losses of an
+    uninterrupted run."""
     import json
     import os
 
@@ -65,17 +74,18 @@ recipe: sft
 model: {{path: {model}}}
 data: {{path: {CHAT_DATA}}}
 train: {{max_steps: 12, global_batch_size: 8, micro_batch_size: 2, seq_len: 48, lr: 3.0e-3, warmup_steps: 3}}
-checkpoint: {{dir: {tmp_path / "ckpt"}, every_steps: 5}}
+checkpoint: {{dir: {tmp_path / "ckpt"}, every_steps: 5, async: {str(mode == "kill-in-async-save").lower()}}}
 """
     )
     script = REPO / "tests" / "scripts" / "misbehaving_rank.py"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    how, step = ("kill-in-save", 10) if mode == "kill-in-async-save" else ("kill", 7)
     runs = {}
-    for name, restarts, kill_step in (("uninterrupted", 0, 1000), ("killed", 1, 7)):
+    for name, restarts, kill_step in (("uninterrupted", 0, 1000), ("killed", 1, step)):
         out = tmp_path / f"{name}.json"
         overrides = [] if name == "killed" else [f"checkpoint.dir={tmp_path / 'plain'}"]
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   f"--max-restarts={restarts}", str(script), "kill", str(out), str(kill_step), "sft", "--config",
+                   f"--max-restarts={restarts}", str(script), how, str(out), str(kill_step), "sft", "--config",
                    str(config),
                    *overrides]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, timeout=420, check=False, env=env)
@@ -85,6 +95,8 @@ checkpoint: {{dir: {tmp_path / "ckpt"}, every_steps: 5}}
     assert killed["resumed_from"] == 5, log[-3000:]
     assert killed["losses"] == plain["losses"] and len(plain["losses"]) == 12
     assert f"restart 1 of 1: resuming from {tmp_path / 'ckpt' / 'step_00000005'}" in log, log[-3000:]
+    if mode == "kill-in-async-save":
+        assert "checkpoint of step 10: saving in the background" in log, log[-3000:]
 
 
 def test_a_rank_that_stops_participating_ends_the_run_with_its_stacks_not_a_hang(tmp_path):

@@ -113,25 +113,26 @@ class Checkpointer:
         states = {"model": model_state, "optimizer": optimizer_state}
         if self._group is None:
             dcp.save(states, checkpoint_id=partial)
-            self._pending = _PendingSave(None, final, started, state.step)
+            self._commit(_PendingSave(None, final, started, state.step))
         else:
             future = dcp.async_save(states, checkpoint_id=partial, process_group=self._group)
             self._pending = _PendingSave(future, final, started, state.step)
             log_rank_zero(
                 logger, "checkpoint of step %d: staged in %.2f s; training goes on", state.step, _since(started)
             )
-        if self._group is None:
-            self.wait()
         return final
 
     def wait(self) -> Path | None:
         """Finish the save in flight, if any, and commit it on every rank's completion; the newest committed
         checkpoint."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return self.last
-        if pending.future is not None:
+        if pending is not None:
             pending.future.result()
+            self._commit(pending)
+        return self.last
+
+    def _commit(self, pending: _PendingSave) -> None:
+        """Collective, once every rank has written its part: the checkpoint becomes complete and ``LATEST``."""
         dist.barrier()  # every rank wrote its part
         if dist.get_rank() == 0:
             partial = pending.final.with_name(pending.final.name + ".partial")
@@ -152,11 +153,6 @@ class Checkpointer:
             )
         dist.barrier()
         self.last = pending.final
-        return self.last
-
-    def close(self) -> Path | None:
-        """Finish the save in flight; the newest committed checkpoint."""
-        return self.wait()
 
 
 @dataclass

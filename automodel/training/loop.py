@@ -368,7 +368,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
                 _log_preemption(result, step + 1)
                 break
     if checkpointer is not None:
-        result.checkpoint = checkpointer.close()  # the save in flight, if any, completes and is committed
+        result.checkpoint = checkpointer.wait()  # the save in flight, if any, completes and is committed
     if writer is not None:
         writer.close()
     result.model = model

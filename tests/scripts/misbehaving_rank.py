@@ -1,8 +1,10 @@
 """A torchrun entry point for the restart and hang tests: ``automodel``'s training process, whose rank 1 misbehaves
-during step ``STEP + 1`` of the first attempt: ``kill`` (SIGKILL, as the OOM killer or a lost node would) or ``hang``
-(stops participating: sleeps in the step). Rank 0 of the attempt that finishes writes its losses to ``OUT`` (JSON).
+in the first attempt: ``kill`` (SIGKILL, as the OOM killer or a lost node would) or ``hang`` (stops participating:
+sleeps in the step) during step ``STEP + 1``; ``kill-in-save``: SIGKILL from inside the writing of the checkpoint of
+step ``STEP`` (with ``checkpoint.async=true``, in the background while training goes on). Rank 0 of the attempt that
+finishes writes its losses to ``OUT`` (JSON).
 
-    torchrun --max-restarts=1 ... tests/scripts/misbehaving_rank.py kill|hang OUT STEP sft --config FILE [key=value]
+    torchrun --max-restarts=1 ... tests/scripts/misbehaving_rank.py kill|hang|kill-in-save OUT STEP sft --config FILE
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
 from automodel.training import cli, loop
 
@@ -32,6 +36,14 @@ def main() -> None:
             return train_step(*args, **kwargs)
 
         loop.train_step = misbehaving_step
+        write_data = _FileSystemWriter.write_data
+
+        def dying_write(self, *args, **kwargs):
+            if mode == "kill-in-save" and f"step_{step:08d}.partial" in str(self.path):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write_data(self, *args, **kwargs)
+
+        _FileSystemWriter.write_data = dying_write
     run = loop.run
 
     def recorded(config):
