@@ -153,8 +153,11 @@ def test_automodel_passes_max_restarts_to_torchrun(tmp_path, monkeypatch):
             return 0
 
     monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
-    monkeypatch.setattr("automodel.training.loop.prepare_model", lambda config: None)
+    monkeypatch.setattr("automodel.training.prelaunch.check_before_launch", lambda config: None)
     monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: None)
     assert cli.main(["sft", "--config", str(config), "--nproc-per-node", "2", "--max-restarts", "3"]) == 0
     assert "--max-restarts=3" in launched[0] and "--nproc-per-node=2" in launched[0]
     assert cli.main(["sft", "--config", str(config), "--max-restarts", "-1"]) == 2
+    # torchrun's own spellings work too
+    assert cli.main(["sft", "--config", str(config), "--nproc_per_node", "4", "--max_restarts", "1"]) == 0
+    assert "--max-restarts=1" in launched[1] and "--nproc-per-node=4" in launched[1]

@@ -191,11 +191,16 @@ def trainability_step(
     if reapply is not None:
         reapply(model)
     params = list(model.parameters())
-    trainable = sum(param.requires_grad for param in params)
-    if reapply is None and trainable == len(params):
+    trainable = [param for param in params if param.requires_grad]
+    if reapply is None and len(trainable) == len(params):
         return None
     source = "reapply_trainability" if reapply is not None else "as before parallelization"
-    return f"trainability ({source}): {trainable} of {len(params)} parameters trainable"
+    elements = sum(param.numel() for param in trainable)
+    total = sum(param.numel() for param in params)
+    return (
+        f"trainability ({source}): {elements:,} of {total:,} parameters trainable "
+        f"({len(trainable)} of {len(params)} tensors)"
+    )
 
 
 def shard_step(

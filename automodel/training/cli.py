@@ -44,10 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("recipe", choices=RECIPES, help="what to run")
     parser.add_argument("--config", required=True, help="YAML recipe config (see docs/recipes.md)")
     parser.add_argument(
-        "--nproc-per-node", type=int, default=1, help="processes to start with torchrun (ignored under torchrun)"
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        help="processes to start on this node with torchrun (default 1; ignored under torchrun)",
     )
     parser.add_argument(
         "--max-restarts",
+        "--max_restarts",
         type=int,
         default=0,
         help="restart the processes this many times when one dies (torchrun's --max-restarts); each restart "
@@ -63,12 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     nodes = parser.add_argument_group("several nodes (passed to torchrun; docs/recipes.md#several-nodes)")
     nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes, each running this command")
-    nodes.add_argument("--node-rank", type=int, help="this node's rank (static rendezvous with --master-addr)")
-    nodes.add_argument("--rdzv-backend", help="rendezvous backend, e.g. c10d")
-    nodes.add_argument("--rdzv-endpoint", help="rendezvous host:port, the same on every node")
-    nodes.add_argument("--rdzv-id", help="job id shared by the nodes of one run")
-    nodes.add_argument("--master-addr", help="address of the node of rank 0 (static rendezvous)")
-    nodes.add_argument("--master-port", type=int, help="port on the node of rank 0 (static rendezvous)")
+    nodes.add_argument(
+        "--node-rank", "--node_rank", type=int, help="this node's rank (static rendezvous with --master-addr)"
+    )
+    nodes.add_argument("--rdzv-backend", "--rdzv_backend", help="rendezvous backend, e.g. c10d")
+    nodes.add_argument("--rdzv-endpoint", "--rdzv_endpoint", help="rendezvous host:port, the same on every node")
+    nodes.add_argument("--rdzv-id", "--rdzv_id", help="job id shared by the nodes of one run")
+    nodes.add_argument("--master-addr", "--master_addr", help="address of the node of rank 0 (static rendezvous)")
+    nodes.add_argument(
+        "--master-port", "--master_port", type=int, help="port on the node of rank 0 (static rendezvous)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.lr=3e-4")
     return parser
 
@@ -86,13 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         return plan_command(argv[1:])
     args = _parser().parse_intermixed_args(argv)
     under_torchrun = "LOCAL_RANK" in os.environ
-    if (args.nproc_per_node < 1 or args.nnodes < 1) and not under_torchrun:
+    if ((args.nproc_per_node is not None and args.nproc_per_node < 1) or args.nnodes < 1) and not under_torchrun:
         print("automodel: --nproc-per-node and --nnodes must be at least 1", file=sys.stderr)
         return 2
     if args.max_restarts < 0:
         print("automodel: --max-restarts must be 0 or more", file=sys.stderr)
         return 2
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc_per_node * args.nnodes
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else (args.nproc_per_node or 1) * args.nnodes
     try:
         config = load_config(args.config, args.overrides, recipe=args.recipe)
         check_world_size(config, world_size)
@@ -111,12 +119,39 @@ def main(argv: list[str] | None = None) -> int:
     return _train(config)
 
 
+def _checked_before_launch(args: argparse.Namespace, config) -> bool:
+    """The checks of ``prelaunch`` (printing the error and returning False when one fails), the warnings, and how
+    many processes start when ``--nproc-per-node`` was left out."""
+    from .prelaunch import check_before_launch, warnings_before_launch
+
+    try:
+        check_before_launch(config)
+    except ConfigError as error:
+        print(f"automodel: config error: {error}", file=sys.stderr)
+        return False
+    for warning in warnings_before_launch(config):
+        print(f"automodel: warning: {warning}", file=sys.stderr)
+    if args.nproc_per_node is None:
+        print(
+            f"automodel: starting 1 process on this node (no --nproc-per-node given){_devices_hint()}",
+            file=sys.stderr,
+        )
+    return True
+
+
+def _devices_hint() -> str:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"; this node has {count} GPUs: pass --nproc-per-node {count} to use them all" if count > 1 else ""
+
+
 def _launch(args: argparse.Namespace, config) -> int:
     """Start torchrun with this command on every process; pass preemption signals on; its exit status."""
-    from .loop import prepare_model
     from .preemption import forward_signals, launcher_settings
 
-    prepare_model(config)
+    if not _checked_before_launch(args, config):
+        return 2
     torchrun_options, preexec = launcher_settings()
     command = [
         sys.executable,
@@ -124,7 +159,7 @@ def _launch(args: argparse.Namespace, config) -> int:
         "torch.distributed.run",
         *torchrun_options,
         *_rendezvous_options(args),
-        f"--nproc-per-node={args.nproc_per_node}",
+        f"--nproc-per-node={args.nproc_per_node or 1}",
         f"--max-restarts={args.max_restarts}",
         "-m",
         "automodel.training.cli",

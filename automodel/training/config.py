@@ -8,6 +8,7 @@ are errors that name the key, raised before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import types
 import typing
@@ -364,8 +365,12 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     unknown = sorted(set(raw) - fields)
     if unknown:
         names = ", ".join(f"{prefix}{key}" for key in unknown)
+        guesses = [
+            f"{prefix}{match[0]}" for key in unknown if (match := difflib.get_close_matches(str(key), fields, n=1))
+        ]
+        hint = f" Did you mean {' / '.join(guesses)}?" if guesses else ""
         raise ConfigError(
-            f"Unknown config key(s) {names}; {prefix.rstrip('.') or 'the top level'} accepts {sorted(fields)}."
+            f"Unknown config key(s) {names};{hint} {prefix.rstrip('.') or 'the top level'} accepts {sorted(fields)}."
         )
     values = {}
     for key, value in raw.items():

@@ -1,0 +1,109 @@
+"""What the ``automodel`` command checks before it starts any process: everything the config alone decides that would
+otherwise fail only on the ranks, minutes (or hours, at the first save or the export) into the run.
+
+Each check raises :class:`~.config.ConfigError` naming the key, its value and the fix; the command prints it and
+exits with status 2 before torchrun starts.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+from .config import ConfigError, RecipeConfig
+
+__all__ = ["check_before_launch", "warnings_before_launch"]
+
+
+def check_before_launch(config: RecipeConfig) -> None:
+    """The data paths exist and are not empty, the model's config can be read (a local folder, or a hub id that is
+    cached or can be fetched), and every output folder is a folder that exists or can be created, and is writable."""
+    from .loop import prepare_model
+
+    _check_data("data.path", config.data.path)
+    if config.data.validation_path is not None:
+        _check_data("data.validation_path", config.data.validation_path)
+    prepare_model(config)  # the tiny smoke-test model, written where model.tiny_if_missing asks for it
+    _check_model(config)
+    outputs = {
+        "checkpoint.dir": config.checkpoint.dir,
+        "export.dir": config.export.dir,
+        "train.tensorboard_dir": config.train.tensorboard_dir,
+    }
+    for key, value in outputs.items():
+        if value is not None:
+            _check_writable_folder(key, Path(value))
+
+
+def warnings_before_launch(config: RecipeConfig) -> list[str]:
+    """What a run would do that its user most likely did not mean: training a model and keeping nothing of it."""
+    if config.checkpoint.dir is None and config.export.dir is None:
+        return [
+            "neither checkpoint.dir nor export.dir is set: the trained model will not be saved. Set export.dir=DIR "
+            "(a checkpoint transformers loads) or checkpoint.dir=DIR (resumable training state)."
+        ]
+    return []
+
+
+def _check_data(key: str, value: str) -> None:
+    path = Path(value)
+    if not path.exists():
+        raise ConfigError(f"{key}={value}: no such file or folder. Give a JSONL / text file, a folder of them, or a "
+                          "local dataset folder.")  # fmt: skip
+    if path.is_file() and path.stat().st_size == 0:
+        raise ConfigError(f"{key}={value} is an empty file: there is nothing to train on.")
+    if path.is_dir() and not any(item.is_file() for item in path.rglob("*")):
+        raise ConfigError(f"{key}={value} is a folder without any file in it: there is nothing to train on.")
+
+
+def _check_model(config: RecipeConfig) -> None:
+    """The same resolution ``automodel plan`` uses: a local folder, or the hub id's metadata in (or fetched into) the
+    Hugging Face cache; then its ``config.json`` must parse."""
+    from automodel.loading.hub import HubOptions, resolve_config_dir
+
+    model = config.model
+    options = HubOptions(revision=model.revision, trust_remote_code=model.trust_remote_code)
+    try:
+        directory = resolve_config_dir(model.path, options)
+    except (FileNotFoundError, OSError, ValueError) as error:
+        raise ConfigError(f"model.path={model.path}: {error}") from None
+    config_file = directory / "config.json"
+    try:
+        json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"model.path={model.path}: {config_file} does not exist; model.path must be a checkpoint folder (the one "
+            "holding config.json) or a hub id."
+        ) from None
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.path={model.path}: {config_file} cannot be read as JSON: {error}") from None
+
+
+def _check_writable_folder(key: str, path: Path) -> None:
+    """``path`` is a folder, or can be created, and a file can be written in it: probed by creating and removing a
+    file (and any folders created for the probe)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={path} exists and is not a folder: give a folder (it is created if missing).")
+    missing = []
+    ancestor = path
+    while not ancestor.exists():
+        missing.append(ancestor)
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{key}={path}: {ancestor} is a file, so the folder cannot be created.")
+    probe = path / f".automodel-write-probe-{uuid.uuid4().hex}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"{key}={path} is not writable ({error.strerror or error}): choose a folder this user can write to."
+        ) from None
+    finally:
+        for created in missing:  # innermost first: only what the probe made, and only while empty
+            try:
+                created.rmdir()
+            except OSError:
+                break

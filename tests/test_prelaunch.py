@@ -1,0 +1,127 @@
+"""What the ``automodel`` command refuses before it starts any process (``automodel.training.prelaunch``): each
+mistake exits with status 2 and one message naming the key and its value, and torchrun is never started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from automodel.training import cli
+from tests.cases.training import CHAT_DATA, save_tiny_chat_checkpoint
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_tiny_chat_checkpoint(tmp_path_factory.mktemp("prelaunch") / "model")
+
+
+@pytest.fixture
+def launch(tmp_path, monkeypatch, capsys):
+    """``automodel sft`` in this process with a config of ``model`` and ``data`` and ``overrides``; torchrun is
+    replaced by a recorder. Returns (status, stderr, whether torchrun was started)."""
+    started = []
+
+    class Recorded:
+        pid = 0
+
+        def __init__(self, command, **kwargs):
+            started.append(command)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
+    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: None)
+
+    def run(model_path, data=CHAT_DATA, *overrides: str, nproc: str | None = "2"):
+        config = tmp_path / "sft.yaml"
+        config.write_text(f"recipe: sft\nmodel: {{path: {model_path}}}\ndata: {{path: {data}}}\n")
+        started.clear()
+        argv = ["sft", "--config", str(config), *(["--nproc-per-node", nproc] if nproc else []), *overrides]
+        status = cli.main(argv)
+        return status, capsys.readouterr().err, bool(started)
+
+    return run
+
+
+def test_a_valid_config_launches_and_warns_when_nothing_would_be_saved(launch, model, tmp_path):
+    status, err, started = launch(model)
+    assert (status, started) == (0, True)
+    assert "neither checkpoint.dir nor export.dir is set" in err
+    status, err, started = launch(model, CHAT_DATA, f"export.dir={tmp_path / 'new' / 'export'}", nproc=None)
+    assert (status, started) == (0, True) and "neither" not in err
+    assert "starting 1 process on this node (no --nproc-per-node given)" in err
+    assert not (tmp_path / "new").exists(), "the write probe leaves nothing behind"
+
+
+def test_a_missing_model_path(launch, tmp_path):
+    status, err, started = launch(tmp_path / "nope")
+    assert (status, started) == (2, False)
+    assert f"model.path={tmp_path / 'nope'}" in err and "neither a local directory nor a Hugging Face model id" in err
+
+
+def test_a_folder_without_config_json(launch, tmp_path):
+    (tmp_path / "empty").mkdir()
+    status, err, started = launch(tmp_path / "empty")
+    assert (status, started) == (2, False) and "config.json does not exist" in err
+
+
+def test_a_hub_id_not_in_the_cache_while_offline(launch, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    status, err, started = launch("someone/not-cached")
+    assert (status, started) == (2, False)
+    assert "model.path=someone/not-cached" in err and "is not in the Hugging Face cache" in err
+
+
+def test_a_data_path_that_does_not_exist_or_is_empty(launch, model, tmp_path):
+    status, err, started = launch(model, tmp_path / "missing.jsonl")
+    assert (status, started) == (2, False) and f"data.path={tmp_path / 'missing.jsonl'}: no such file" in err
+    (tmp_path / "empty.jsonl").write_text("")
+    status, err, started = launch(model, tmp_path / "empty.jsonl")
+    assert (status, started) == (2, False) and "is an empty file" in err
+    (tmp_path / "folder").mkdir()
+    status, err, started = launch(model, tmp_path / "folder")
+    assert (status, started) == (2, False) and "a folder without any file" in err
+
+
+def test_output_folders_that_are_files_or_not_writable(launch, model, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    status, err, started = launch(model, CHAT_DATA, f"export.dir={tmp_path / 'a-file'}")
+    assert (status, started) == (2, False) and f"export.dir={tmp_path / 'a-file'} exists and is not a folder" in err
+    status, err, started = launch(model, CHAT_DATA, f"checkpoint.dir={tmp_path / 'a-file' / 'ckpt'}")
+    assert (status, started) == (2, False) and "is a file, so the folder cannot be created" in err
+    # /proc takes no new folders, even from root (the tests run as root, where permission bits do not stop a write)
+    status, err, started = launch(model, CHAT_DATA, "checkpoint.dir=/proc/automodel-ckpt")
+    assert (status, started) == (2, False) and "checkpoint.dir=/proc/automodel-ckpt is not writable" in err
+
+
+def test_a_misspelled_key_gets_a_suggestion(launch, model):
+    status, err, started = launch(model, CHAT_DATA, "train.max_step=3")
+    assert (status, started) == (2, False) and "Did you mean train.max_steps?" in err
+
+
+def test_the_command_refuses_within_seconds_before_any_process(model, tmp_path):
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"recipe: sft\nmodel: {{path: {tmp_path / 'nope'}}}\ndata: {{path: {CHAT_DATA}}}\n")
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "automodel.training.cli", "sft", "--config", str(config), "--nproc-per-node", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    seconds = time.perf_counter() - started
+    assert result.returncode == 2, result.stderr
+    assert f"model.path={tmp_path / 'nope'}" in result.stderr and "torch.distributed.run" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    print(f"refused in {seconds:.1f} s")
