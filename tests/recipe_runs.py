@@ -41,6 +41,7 @@ class Command:
         extra_env: dict[str, str] | None = None,
         overrides: tuple = (),
         launch: tuple = ("--nproc-per-node", "2"),
+        own_process_group: bool = False,
     ) -> None:
         overrides = [
             f"model.path={project / 'tiny'}",
@@ -57,6 +58,7 @@ class Command:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            start_new_session=own_process_group,  # a terminal's foreground group, to signal as Ctrl-C does
         )
         # Each pipe has one reader of its own: `communicate()` would read stderr too, and a line it took (the one a
         # test looks for) would never reach `lines`.

@@ -65,18 +65,51 @@ def test_sigterm_saves_after_the_step_exits_0_and_resumes_bitwise(project, unint
     _resume_and_compare(project, checkpoints, uninterrupted)
 
 
-def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_newest(project, uninterrupted, tmp_path):
+def test_ctrl_c_saves_after_the_step_exits_130_and_resumes_bitwise(project, uninterrupted, tmp_path):
+    """Ctrl-C as a terminal delivers it: SIGINT to every process of the foreground group (the command, torchrun and
+    both workers). The workers save after their step and end, torchrun does not kill them, no traceback is printed,
+    and the command exits with the shell's status for an interrupt."""
+    checkpoints = tmp_path / "checkpoints"
+    command = Command(project, checkpoints, own_process_group=True)
+    command.wait_for("step 3 |")
+    workers = command.workers()
+    assert len(workers) == 2, workers
+    os.killpg(command.process.pid, signal.SIGINT)
+    status, stdout = command.finish()
+    assert status == 130, "".join(command.lines[-30:])
+    assert "automodel sft: interrupted by Ctrl-C after step" in stdout and "checkpoint" in stdout, stdout
+    assert any("press Ctrl-C again to stop without saving" in line for line in command.lines), command.lines[-30:]
+    assert not any("Traceback" in line for line in command.lines), "".join(command.lines[-60:])
+    assert alive(workers) == [], "no training process outlives the command"
+    saved = sorted(path.name for path in checkpoints.glob("step_*"))
+    assert len(saved) == 1 and (checkpoints / "LATEST").read_text().strip() == saved[0], saved
+    stopped_at = int(saved[0][5:])
+    assert 3 <= stopped_at < STEPS and losses(checkpoints / saved[0]) == uninterrupted[:stopped_at]
+    _resume_and_compare(project, checkpoints, uninterrupted)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_newest(project, uninterrupted, tmp_path, how):
     checkpoints = tmp_path / "checkpoints"
     env = {
         "PYTHONPATH": os.pathsep.join([str(project / "hooks"), str(REPO), os.environ.get("PYTHONPATH", "")]),
         "AUTOMODEL_TEST_SAVE_DELAY": str(5 * DUPLICATE_WINDOW_S),
     }
     # A periodic checkpoint first (step 4), then the preemption save, interrupted.
-    command = Command(project, checkpoints, env, overrides=("checkpoint.every_steps=4",))
+    command = Command(
+        project, checkpoints, env, overrides=("checkpoint.every_steps=4",), own_process_group=how == "Ctrl-C"
+    )
+
+    def send() -> None:
+        if how == "Ctrl-C":
+            os.killpg(command.process.pid, signal.SIGINT)
+        else:
+            os.kill(command.process.pid, signal.SIGTERM)
+
     command.wait_for("step 5 |")
-    os.kill(command.process.pid, signal.SIGTERM)
+    send()
     # A worker runs its handler between bytecodes, possibly long after the kill: time the window from its message.
-    command.wait_for("SIGTERM received", count=2)
+    command.wait_for(f"{how} received", count=2)
     received = time.monotonic()
     deadline = received + 120
     while not list(checkpoints.glob("*.partial")):
@@ -85,10 +118,10 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_newest(p
     # Past the window in which a signal counts as a copy of the first; the slowed save is still running.
     time.sleep(max(0.0, received + 1.5 * DUPLICATE_WINDOW_S - time.monotonic()))
     assert [p.name for p in checkpoints.glob("step_????????")] == ["step_00000004"], "the save must still be running"
-    os.kill(command.process.pid, signal.SIGTERM)
+    send()
     status, _ = command.finish()
     assert status != 0, "the interrupted save is no success"
-    assert any("second SIGTERM: stopping now" in line for line in command.lines), "".join(command.lines[-30:])
+    assert any(f"second {how}: stopping now" in line for line in command.lines), "".join(command.lines[-30:])
     complete = sorted(path.name for path in checkpoints.glob("step_????????"))
     assert complete == ["step_00000004"], complete
     assert (checkpoints / "LATEST").read_text().strip() == "step_00000004"

@@ -11,7 +11,8 @@ relaunches itself with torchrun: ``--standalone`` on one node, or with the rende
 ``--master-port``) on several. ``--print-config`` prints the resolved config.
 
 A SIGTERM or SIGUSR1 to the command is passed on to the training processes, which save a checkpoint after their
-current step and end; the command then exits with status 0 (see ``automodel.training.preemption``).
+current step and end; the command then exits with status 0 (see ``automodel.training.preemption``). Ctrl-C does the
+same and exits with status 130; a second Ctrl-C stops at once without saving.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import atexit
 import logging
 import os
+import signal
 import subprocess
 import sys
 from typing import NoReturn
@@ -169,8 +171,10 @@ def _launch(args: argparse.Namespace, config) -> int:
         *args.overrides,
     ]
     process = subprocess.Popen(command, preexec_fn=preexec)  # no threads yet
-    forward_signals(process.pid)
+    received = forward_signals(process.pid)
     status = process.wait()
+    if status == 0 and signal.SIGINT in received:
+        return 128 + signal.SIGINT  # saved and stopped cleanly, but interrupted: the shell's status for Ctrl-C
     return 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + signal number
 
 
@@ -192,12 +196,10 @@ def _rendezvous_options(args: argparse.Namespace) -> list[str]:
 def _train(config) -> int:
     """One training process (under torchrun): run the recipe; 0, or 128 + the signal that stopped it without a
     checkpoint."""
-    import signal
-
     import torch.distributed as dist
 
     from .loop import run
-    from .preemption import restore_default_handlers
+    from .preemption import describe, restore_default_handlers
 
     restore_default_handlers()
     rank = int(os.environ.get("RANK", 0))
@@ -208,9 +210,9 @@ def _train(config) -> int:
         name = config.recipe
         if result.preempted is not None:
             saved = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint (checkpoint.dir unset)"
-            print(
-                f"automodel {name}: stopped by {result.preempted} after step {len(result.losses)}; {saved}", flush=True
-            )
+            how = describe(signal.Signals[result.preempted])
+            verb = "interrupted by" if how == "Ctrl-C" else "stopped by"
+            print(f"automodel {name}: {verb} {how} after step {len(result.losses)}; {saved}", flush=True)
         else:
             print(f"automodel {name}: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}", flush=True)
         if result.export_dir:

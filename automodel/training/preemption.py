@@ -1,4 +1,5 @@
-"""Preemption: a scheduler's SIGTERM or SIGUSR1 ends the run at the next step boundary with a complete checkpoint.
+"""Preemption: a scheduler's SIGTERM or SIGUSR1, or a user's Ctrl-C (SIGINT), ends the run at the next step boundary
+with a complete checkpoint.
 
 Any process may get the signal: the ``automodel`` command (it forwards it to the training processes), torchrun (it
 forwards it to its workers), or a single rank. The signal only sets a flag; the ranks agree on it after every step
@@ -27,11 +28,14 @@ __all__ = [
     "PREEMPTION_SIGNALS",
     "PreemptionHandler",
     "forward_signals",
+    "describe",
     "launcher_settings",
     "restore_default_handlers",
 ]
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C reaches every process of the terminal's foreground group at once (the command, torchrun, the workers): the
+# workers save, torchrun ignores it (``launcher_settings``) and the command forwards it, a copy the workers ignore.
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Copies of one notice (from the scheduler, torchrun and the command) arrive within milliseconds of each other.
 DUPLICATE_WINDOW_S = 2.0
 
@@ -56,7 +60,7 @@ class PreemptionHandler:
             signal.signal(signum, previous)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
+        name = describe(signal.Signals(signum))
         if self.received is not None:
             if time.monotonic() - self._received_at < DUPLICATE_WINDOW_S:
                 return  # the same notice again, by another route
@@ -64,7 +68,8 @@ class PreemptionHandler:
             os._exit(128 + signum)
         self.received = signal.Signals(signum)
         self._received_at = time.monotonic()
-        os.write(2, f"automodel: {name} received: saving a checkpoint after this step, then exiting\n".encode())
+        again = "; press Ctrl-C again to stop without saving" if signum == signal.SIGINT else ""
+        os.write(2, f"automodel: {name} received: saving a checkpoint after this step, then exiting{again}\n".encode())
 
     def agreed(self, device: torch.device) -> bool:
         """Collective: whether any rank got a signal (the same answer on every rank)."""
@@ -73,12 +78,20 @@ class PreemptionHandler:
         return bool(flag.item())
 
 
-def forward_signals(child_pid: int, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> None:
+def describe(signum: signal.Signals) -> str:
+    """How the messages name a signal: ``Ctrl-C`` for SIGINT, else its name."""
+    return "Ctrl-C" if signum == signal.SIGINT else signum.name
+
+
+def forward_signals(child_pid: int, signals: tuple[signal.Signals, ...] = PREEMPTION_SIGNALS) -> list[signal.Signals]:
     """In the launching command: pass each of ``signals`` on to the training processes (the children of the
     torchrun process ``child_pid``), so that they save and end normally and torchrun, seeing clean exits, ends with
-    status 0. Where the children cannot be listed (no ``/proc``), the signal goes to torchrun, which forwards it."""
+    status 0. Where the children cannot be listed (no ``/proc``), the signal goes to torchrun, which forwards it.
+    Returns the list the signals received are appended to (the command's exit status says a Ctrl-C)."""
+    received: list[signal.Signals] = []
 
     def handle(signum: int, frame: FrameType | None) -> None:
+        received.append(signal.Signals(signum))
         targets = _children(child_pid) or [child_pid]
         for pid in targets:
             try:
@@ -88,6 +101,7 @@ def forward_signals(child_pid: int, signals: tuple[signal.Signals, ...] = PREEMP
 
     for signum in signals:
         signal.signal(signum, handle)
+    return received
 
 
 def launcher_settings() -> tuple[list[str], Callable[[], None] | None]:
@@ -101,14 +115,15 @@ def launcher_settings() -> tuple[list[str], Callable[[], None] | None]:
         for signum in PREEMPTION_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
 
-    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"], ignore_preemption_signals
+    return ["--signals-to-handle=SIGHUP,SIGQUIT"], ignore_preemption_signals
 
 
 def restore_default_handlers() -> None:
     """In a training process: the default actions back (``launcher_settings`` made the launcher ignore the signals,
-    and its children inherit that) until the run installs its ``PreemptionHandler``."""
+    and its children inherit that) until the run installs its ``PreemptionHandler``: Python's ``KeyboardInterrupt``
+    for SIGINT."""
     for signum in PREEMPTION_SIGNALS:
-        signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
 
 def _children(pid: int) -> list[int]:
