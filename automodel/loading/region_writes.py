@@ -93,7 +93,7 @@ def assign_writers(
     own_rank, world = rank(), world_size()
     keys = torch.full((len(names),), _NO_COPY, dtype=torch.int64)
     parts: dict[int, tuple[Box, torch.Tensor]] = {}
-    first_rank: dict[int, int] = {}  # id(mesh) -> its smallest rank (torch rebuilds ``mesh.mesh`` on every access)
+    meshes: dict[int, _MeshFacts] = {}  # by id: torch recomputes a mesh's ranks and shape on every access
     for number, name in enumerate(names):
         tensor = local.get(name)
         part = None if tensor is None else local_box(name, tensor)
@@ -101,10 +101,11 @@ def assign_writers(
             continue
         if isinstance(tensor, DTensor):
             mesh = tensor.device_mesh
-            if id(mesh) not in first_rank:
-                first_rank[id(mesh)] = int(mesh.mesh.min())
-            keys[number] = 2 * first_rank[id(mesh)]
-            if part[1].numel() > 0 and _writes_replica(tensor, number):
+            if id(mesh) not in meshes:
+                meshes[id(mesh)] = _MeshFacts(int(mesh.mesh.min()), tuple(mesh.shape), mesh.get_coordinate())
+            facts = meshes[id(mesh)]
+            keys[number] = 2 * facts.first_rank
+            if part[1].numel() > 0 and _writes_replica(tensor.placements, facts, number):
                 parts[number] = part
         else:
             keys[number] = 2 * ((own_rank - number) % world) + 1
@@ -123,16 +124,21 @@ def assign_writers(
 _NO_COPY = 2**62  # no rank holds the name as boxes
 
 
-def _writes_replica(tensor: DTensor, number: int) -> bool:
-    """Whether this rank is the one, among the ranks of ``tensor``'s mesh holding the same box, that writes it."""
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
+@dataclass(frozen=True)
+class _MeshFacts:
+    first_rank: int
+    shape: tuple[int, ...]
+    coordinate: list[int] | None  # this rank's, None off the mesh
+
+
+def _writes_replica(placements: Sequence, mesh: _MeshFacts, number: int) -> bool:
+    """Whether this rank is the one, among the ranks of a ``DTensor``'s mesh holding the same box, that writes it."""
+    if mesh.coordinate is None:
         return False
-    replicated = [dim for dim, placement in enumerate(tensor.placements) if placement.is_replicate()]
-    sharded = [dim for dim in range(mesh.ndim) if dim not in replicated]
-    replica = _linear(coordinate, replicated, mesh.shape)
-    shard = _linear(coordinate, sharded, mesh.shape)
+    replicated = [dim for dim, placement in enumerate(placements) if placement.is_replicate()]
+    sharded = [dim for dim in range(len(mesh.shape)) if dim not in replicated]
+    replica = _linear(mesh.coordinate, replicated, mesh.shape)
+    shard = _linear(mesh.coordinate, sharded, mesh.shape)
     replicas = math.prod(mesh.shape[dim] for dim in replicated)
     return replica == (number + shard) % replicas
 
