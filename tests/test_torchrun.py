@@ -3,6 +3,7 @@ environment torchrun sets (``MeshContext.build`` initialises gloo without CUDA).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -97,6 +98,9 @@ checkpoint: {{dir: {tmp_path / "ckpt"}, every_steps: 5, async: {str(mode == "kil
     assert f"restart 1 of 1: resuming from {tmp_path / 'ckpt' / 'step_00000005'}" in log, log[-3000:]
     if mode == "kill-in-async-save":
         assert "checkpoint of step 10: saving in the background" in log, log[-3000:]
+    # Output to a pipe, not a terminal: no progress bar redraws, every step line whole.
+    assert "\r" not in log, log[-3000:]
+    assert re.search(r"^step 12 \| loss [\d.]+ \| lr .* \| [\d.]+ s$", log, re.MULTILINE), log[-3000:]
 
 
 def test_a_rank_that_stops_participating_ends_the_run_with_its_stacks_not_a_hang(tmp_path):

@@ -58,7 +58,8 @@ def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = 
     Shapes were checked by the caller. Returns the number of tensors loaded.
     """
     targets = [(name, tensor) for name, tensor in state_tensors(model) if name in sources]
-    bar = tqdm(targets, desc="Loading weights", unit="tensor", disable=not progress, leave=False)
+    # On a terminal only (disable=None): in a log file its carriage-return redraws would glue onto the next lines.
+    bar = tqdm(targets, desc="Loading weights", unit="tensor", disable=None if progress else True, leave=False)
     with torch.no_grad():
         for name, tensor in bar:
             local = local_view(tensor)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from automodel.auto_model import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
@@ -325,8 +326,10 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     checkpointer = None
     if checkpoint.dir is not None:
         checkpointer = Checkpointer(checkpoint.dir, keep=checkpoint.keep, asynchronous=checkpoint.async_)
-    bar = tqdm(range(result.resumed_from, last), desc=config.recipe, disable=not is_main)
-    with HangWatchdog(train.hang_timeout_s, rank=dist.get_rank()) as watchdog:
+    # A bar on a terminal only (tqdm's disable=None), with the log lines written above it; in a log file, only whole
+    # step lines (a bar's carriage-return redraws would glue onto them).
+    bar = tqdm(range(result.resumed_from, last), desc=config.recipe, disable=None if is_main else True)
+    with HangWatchdog(train.hang_timeout_s, rank=dist.get_rank()) as watchdog, logging_redirect_tqdm():
         for step in bar:
             start = time.perf_counter()
             micro_batches = loader.next_global_batch()
