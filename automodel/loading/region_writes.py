@@ -2,9 +2,10 @@
 file at its offsets.
 
 A rank's local shard of a ``DTensor`` (``Shard`` / ``Replicate`` placements, FSDP2's strided shards of a TP-sharded
-dimension included) is one box of the global tensor, the chunk ``torch.distributed.checkpoint`` saves it as. In the row-major bytes of the whole tensor a box is a set of runs:
-one for a dim-0 shard, one per row of a dim-1 (rowwise TP) shard, and so on. ``write_box`` writes those runs with
-``os.pwrite`` straight from the shard's memory, so no rank ever assembles a whole tensor.
+dimension included) is one box of the global tensor, the chunk ``torch.distributed.checkpoint`` saves it as. In the
+row-major bytes of the whole tensor a box is a set of runs: one for a dim-0 shard, one per row of a dim-1 (rowwise
+TP) shard, and so on. ``write_box`` writes those runs with ``os.pwrite`` straight from the shard's memory, so no rank
+ever assembles a whole tensor.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def assign_writers(
     - Where several meshes (or plain copies) hold the same name (a model replicated outside its mesh), the copy with
       the smallest key writes it: a mesh's smallest rank, or a plain holder's rank rotated by the name's index (again
       spreading the writers).
-    - A name no rank holds whole or as ``Shard`` / ``Replicate`` boxes (``Partial`` placements: pending sums) is
-      uncovered.
+    - A name no rank holds, or that some rank holds otherwise than as one box (``Partial`` placements: pending sums;
+      rows interleaved with other ranks'), is uncovered: all of it is written another way, never partly as boxes.
     """
     own_rank, world = rank(), world_size()
     keys = torch.full((len(names),), _NO_COPY, dtype=torch.int64)
@@ -96,8 +97,11 @@ def assign_writers(
     meshes: dict[int, _MeshFacts] = {}  # by id: torch recomputes a mesh's ranks and shape on every access
     for number, name in enumerate(names):
         tensor = local.get(name)
-        part = None if tensor is None else local_box(name, tensor)
+        if tensor is None:
+            continue
+        part = local_box(name, tensor)
         if part is None:
+            keys[number] = _NOT_A_BOX  # held, but not as one box: nobody writes this name as boxes
             continue
         if isinstance(tensor, DTensor):
             mesh = tensor.device_mesh
@@ -116,12 +120,13 @@ def assign_writers(
         agreed = keys.to(collective_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         keys = agreed.cpu()
-    uncovered = {name for number, name in enumerate(names) if keys[number] == _NO_COPY}
+    uncovered = {name for number, name in enumerate(names) if keys[number] in (_NO_COPY, _NOT_A_BOX)}
     mine = [part for number, part in parts.items() if mine_keys[number] == keys[number]]
     return mine, uncovered
 
 
-_NO_COPY = 2**62  # no rank holds the name as boxes
+_NO_COPY = 2**62  # no rank holds the name
+_NOT_A_BOX = -1  # some rank holds it, but not as one box (``Partial``, interleaved rows): the smallest key wins
 
 
 @dataclass(frozen=True)
