@@ -37,7 +37,7 @@ def launch(tmp_path, monkeypatch, capsys):
             return 0
 
     monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
-    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: None)
+    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: [])
 
     def run(model_path, data=CHAT_DATA, *overrides: str, nproc: str | None = "2"):
         config = tmp_path / "sft.yaml"

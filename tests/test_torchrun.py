@@ -158,7 +158,7 @@ def test_automodel_passes_max_restarts_to_torchrun(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
     monkeypatch.setattr("automodel.training.prelaunch.check_before_launch", lambda config: None)
-    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: None)
+    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: [])
     assert cli.main(["sft", "--config", str(config), "--nproc-per-node", "2", "--max-restarts", "3"]) == 0
     assert "--max-restarts=3" in launched[0] and "--nproc-per-node=2" in launched[0]
     assert cli.main(["sft", "--config", str(config), "--max-restarts", "-1"]) == 2
