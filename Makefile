@@ -57,10 +57,10 @@ test-quick: $(STAMP)
 test-compat: test-compat-oldest test-compat-newest
 
 test-compat-oldest:
-	tools/test_compat.sh $(EXTRAS) $(OLDEST_VERSIONS)
+	DEFAULT_VERSIONS="$(DEFAULT_VERSIONS)" tools/test_compat.sh $(EXTRAS) $(OLDEST_VERSIONS)
 
 test-compat-newest:
-	tools/test_compat.sh $(EXTRAS) $(NEWEST_VERSIONS)
+	DEFAULT_VERSIONS="$(DEFAULT_VERSIONS)" tools/test_compat.sh $(EXTRAS) $(NEWEST_VERSIONS)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(PYTHON) tools/convert_smollm2_gguf.py $(DEMO_MODEL)
