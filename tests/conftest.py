@@ -63,3 +63,25 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
         pytest.skip(needs_smollm2.kwargs["reason"])
     output_dir = tmp_path_factory.mktemp("smollm2") / "hf"
     return smollm2_tool().convert(output_dir)
+
+
+@pytest.fixture
+def recorded_torchrun(monkeypatch) -> list[list[str]]:
+    """The ``automodel`` command in this process with torchrun replaced by a recorder: the list of the commands it
+    would have started (empty when it refused before launching)."""
+    from automodel.training import cli
+
+    launched: list[list[str]] = []
+
+    class Recorded:
+        pid = 0
+
+        def __init__(self, command, **kwargs):
+            launched.append(command)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
+    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: [])
+    return launched

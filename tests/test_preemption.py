@@ -38,6 +38,17 @@ def _resume_and_compare(project: Path, checkpoints: Path, uninterrupted: list[fl
     assert losses(checkpoints / f"step_{STEPS:08d}") == uninterrupted
 
 
+def _saved_once_then_resumes(project: Path, checkpoints: Path, workers: list[int], uninterrupted: list[float]) -> None:
+    """After a preemption at step 3 or later: no worker left, one complete checkpoint that LATEST names, holding the
+    uninterrupted losses so far, and a resumed run that reproduces them all."""
+    assert alive(workers) == [], "no training process outlives the command"
+    saved = sorted(path.name for path in checkpoints.glob("step_*"))
+    assert len(saved) == 1 and (checkpoints / "LATEST").read_text().strip() == saved[0], saved
+    stopped_at = int(saved[0][5:])
+    assert 3 <= stopped_at < STEPS and losses(checkpoints / saved[0]) == uninterrupted[:stopped_at]
+    _resume_and_compare(project, checkpoints, uninterrupted)
+
+
 @pytest.mark.parametrize("target", ["command", "one_rank", "every_process"])
 def test_sigterm_saves_after_the_step_exits_0_and_resumes_bitwise(project, uninterrupted, tmp_path, target):
     """``every_process``: as SLURM delivers it, to every process of the job step at once (the command, torchrun and
@@ -57,12 +68,7 @@ def test_sigterm_saves_after_the_step_exits_0_and_resumes_bitwise(project, unint
     status, stdout = command.finish()
     assert status == 0, "".join(command.lines[-30:])
     assert "automodel sft: stopped by SIGTERM after step" in stdout and "checkpoint" in stdout, stdout
-    assert alive(workers) == [], "no training process outlives the command"
-    saved = sorted(path.name for path in checkpoints.glob("step_*"))
-    assert len(saved) == 1 and (checkpoints / "LATEST").read_text().strip() == saved[0], saved
-    stopped_at = int(saved[0][5:])
-    assert 3 <= stopped_at < STEPS and losses(checkpoints / saved[0]) == uninterrupted[:stopped_at]
-    _resume_and_compare(project, checkpoints, uninterrupted)
+    _saved_once_then_resumes(project, checkpoints, workers, uninterrupted)
 
 
 def test_ctrl_c_saves_after_the_step_exits_130_and_resumes_bitwise(project, uninterrupted, tmp_path):
@@ -80,12 +86,7 @@ def test_ctrl_c_saves_after_the_step_exits_130_and_resumes_bitwise(project, unin
     assert "automodel sft: interrupted by Ctrl-C after step" in stdout and "checkpoint" in stdout, stdout
     assert any("press Ctrl-C again to stop without saving" in line for line in command.lines), command.lines[-30:]
     assert not any("Traceback" in line for line in command.lines), "".join(command.lines[-60:])
-    assert alive(workers) == [], "no training process outlives the command"
-    saved = sorted(path.name for path in checkpoints.glob("step_*"))
-    assert len(saved) == 1 and (checkpoints / "LATEST").read_text().strip() == saved[0], saved
-    stopped_at = int(saved[0][5:])
-    assert 3 <= stopped_at < STEPS and losses(checkpoints / saved[0]) == uninterrupted[:stopped_at]
-    _resume_and_compare(project, checkpoints, uninterrupted)
+    _saved_once_then_resumes(project, checkpoints, workers, uninterrupted)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])

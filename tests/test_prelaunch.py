@@ -22,30 +22,17 @@ def model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def launch(tmp_path, monkeypatch, capsys):
-    """``automodel sft`` in this process with a config of ``model`` and ``data`` and ``overrides``; torchrun is
-    replaced by a recorder. Returns (status, stderr, whether torchrun was started)."""
-    started = []
-
-    class Recorded:
-        pid = 0
-
-        def __init__(self, command, **kwargs):
-            started.append(command)
-
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
-    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: [])
+def launch(tmp_path, recorded_torchrun, capsys):
+    """``automodel sft`` in this process with a config of ``model`` and ``data`` and ``overrides``, torchrun replaced
+    by a recorder. Returns (status, stderr, whether torchrun was started)."""
 
     def run(model_path, data=CHAT_DATA, *overrides: str, nproc: str | None = "2"):
         config = tmp_path / "sft.yaml"
         config.write_text(f"recipe: sft\nmodel: {{path: {model_path}}}\ndata: {{path: {data}}}\n")
-        started.clear()
+        recorded_torchrun.clear()
         argv = ["sft", "--config", str(config), *(["--nproc-per-node", nproc] if nproc else []), *overrides]
         status = cli.main(argv)
-        return status, capsys.readouterr().err, bool(started)
+        return status, capsys.readouterr().err, bool(recorded_torchrun)
 
     return run
 

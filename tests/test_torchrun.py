@@ -140,25 +140,13 @@ train: {{max_steps: 12, global_batch_size: 8, micro_batch_size: 2, seq_len: 48, 
     assert "after step 2" in log
 
 
-def test_automodel_passes_max_restarts_to_torchrun(tmp_path, monkeypatch):
+def test_automodel_passes_max_restarts_to_torchrun(tmp_path, monkeypatch, recorded_torchrun):
     from automodel.training import cli
 
     config = tmp_path / "sft.yaml"
     config.write_text(f"recipe: sft\nmodel: {{path: {tmp_path}}}\ndata: {{path: {tmp_path}}}\n")
-    launched = []
-
-    class Recorded:
-        pid = 0
-
-        def __init__(self, command, **kwargs):
-            launched.append(command)
-
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
+    launched = recorded_torchrun
     monkeypatch.setattr("automodel.training.prelaunch.check_before_launch", lambda config: None)
-    monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: [])
     assert cli.main(["sft", "--config", str(config), "--nproc-per-node", "2", "--max-restarts", "3"]) == 0
     assert "--max-restarts=3" in launched[0] and "--nproc-per-node=2" in launched[0]
     assert cli.main(["sft", "--config", str(config), "--max-restarts", "-1"]) == 2
