@@ -96,6 +96,7 @@ checkpoint: {{dir: {tmp_path / "ckpt"}, every_steps: 5, async: {str(mode == "kil
     assert killed["resumed_from"] == 5, log[-3000:]
     assert killed["losses"] == plain["losses"] and len(plain["losses"]) == 12
     assert f"restart 1 of 1: resuming from {tmp_path / 'ckpt' / 'step_00000005'}" in log, log[-3000:]
+    assert f"automodel sft: newest checkpoint {tmp_path / 'ckpt' / 'step_00000012'}" in log, log[-3000:]
     if mode == "kill-in-async-save":
         assert "checkpoint of step 10: saving in the background" in log, log[-3000:]
     # Output to a pipe, not a terminal: no progress bar redraws, every step line whole.

@@ -215,8 +215,12 @@ def _train(config) -> int:
             print(f"automodel {name}: {verb} {how} after step {len(result.losses)}; {saved}", flush=True)
         else:
             print(f"automodel {name}: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}", flush=True)
+            if result.checkpoint:
+                print(f"automodel {name}: newest checkpoint {result.checkpoint}", flush=True)
         if result.export_dir:
             print(f"automodel {name}: exported to {result.export_dir}", flush=True)
+        if config.train.tensorboard_dir:
+            print(f"automodel {name}: TensorBoard logs in {config.train.tensorboard_dir}", flush=True)
     if result.preempted is not None and result.checkpoint is None:
         status = 128 + (
             signal.Signals[result.preempted].value if result.preempted in signal.Signals.__members__ else 15
