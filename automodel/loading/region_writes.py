@@ -185,7 +185,7 @@ def gathered_to(tensor: torch.Tensor, owner: int) -> torch.Tensor | None:
     ranks = mesh.mesh
     first_replicas = [range(1) if dim in replicated else range(size) for dim, size in enumerate(mesh.shape)]
     for holder in itertools.product(*first_replicas):
-        bounds = [(runs[0][0], runs[-1][1]) if runs else (0, 0) for runs in index_runs_at(tensor, holder)]
+        bounds = [_one_run(runs) for runs in index_runs_at(tensor, holder)]  # one run each: no strided shards
         region = tuple(slice(start, stop) for start, stop in bounds)
         if any(start == stop for start, stop in bounds):
             continue
