@@ -49,7 +49,7 @@ from automodel.loading.placements import rank_classes
 from automodel.loading.quantized import pop_quantization_scheme
 from automodel.loading.sharded_loader import count_reads
 
-__all__ = ["Plan", "RankPlan", "plan"]
+__all__ = ["Plan", "RankPlan", "layout_refusal", "plan"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 #: Optimizer state bytes per trainable local element: AdamW keeps two fp32 moments (``exp_avg``, ``exp_avg_sq``).
@@ -215,6 +215,32 @@ def plan(
     return Plan(
         world_size, True, None, first["total_param_bytes"], results, first["log"], layout, costs, first["pipeline"]
     )
+
+
+def layout_refusal(
+    model: str | os.PathLike,
+    *,
+    world_size: int,
+    layout: Mapping[str, Any] | None = None,
+    dtype: str | torch.dtype = "bf16",
+    trust_remote_code: bool = False,
+) -> str | None:
+    """Why the real run would refuse ``layout`` for ``model`` on ``world_size`` ranks, or ``None`` when it fits.
+
+    Rank 0 is simulated as :func:`plan` simulates it (the same build on meta, the same ``parallelize`` or pipeline
+    split, so the same checks: heads against TP, experts against EP, layers against PP ...), without the other
+    ranks' figures. In this process when it runs no process group (the ``automodel`` command before it starts
+    torchrun: no helper process to start, a second or two for a model of any size), else in a forked child.
+    """
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES[str(dtype)]
+    request = _Request(str(model), world_size, dict(layout or {}), torch_dtype, None, None, "adamw", trust_remote_code)
+    if dist.is_available() and dist.is_initialized():
+        return _simulate_elsewhere(request, 0, classes=False)["error"]
+    threads = torch.get_num_threads()
+    try:
+        return _simulate_here(request, 0, classes=False)["error"]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _pipeline_ranks(classes: list[list[int]], pp_size: int, world_size: int) -> dict[int, list[int]]:

@@ -91,17 +91,53 @@ def test_output_folders_that_are_files_or_not_writable(launch, model, tmp_path):
     assert (status, started) == (2, False) and "checkpoint.dir=/proc/automodel-ckpt is not writable" in err
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["layout.tp_size=4"], "num_key_value_heads=2 is not divisible by tp_size=4"),
+        (["layout.ep_size=2"], "LlamaForCausalLM has no routed experts"),
+        (["layout.pp_size=4"], "The model has 2 decoder layers and the pipeline 4 stages"),
+    ],
+    ids=["heads-vs-tp", "experts-vs-ep", "layers-vs-pp"],
+)
+def test_a_layout_the_model_cannot_take_is_refused_with_the_real_runs_message(launch, model, overrides, message):
+    """The tiny checkpoint has 4 heads, 2 KV heads, 2 layers and no experts: each layout is refused by the run's own
+    check (rank 0 simulated before launch), naming the layout keys, the process count and the model."""
+    status, err, started = launch(model, CHAT_DATA, *overrides, nproc="4")
+    assert (status, started) == (2, False), err
+    assert f"{overrides[0]} on 4 processes does not fit model.path={model}" in err and message in err, err
+    assert "rank 1" not in err, "a failure every simulated rank shares is said once"
+    status, err, started = launch(model, CHAT_DATA, "layout.tp_size=2", nproc="4")
+    assert (status, started) == (0, True), err
+
+
+def test_a_failing_layout_check_warns_and_launches(launch, model, monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("simulated")
+
+    monkeypatch.setattr("automodel.planning.layout_refusal", broken)
+    status, err, started = launch(model)
+    assert (status, started) == (0, True)
+    assert "the layout could not be checked against the model before launch (KeyError" in err
+
+
 def test_a_misspelled_key_gets_a_suggestion(launch, model):
     status, err, started = launch(model, CHAT_DATA, "train.max_step=3")
     assert (status, started) == (2, False) and "Did you mean train.max_steps?" in err
 
 
-def test_the_command_refuses_within_seconds_before_any_process(model, tmp_path):
+@pytest.mark.parametrize("mistake", ["missing-model", "tp-vs-heads"])
+def test_the_command_refuses_within_seconds_before_any_process(model, tmp_path, mistake):
+    """The real command in a fresh interpreter (imports included); the time is printed, not asserted (it is the
+    machine's): about 5-8 s on a 2-core CI machine, most of it importing torch and transformers."""
+    path = tmp_path / "nope" if mistake == "missing-model" else model
     config = tmp_path / "sft.yaml"
-    config.write_text(f"recipe: sft\nmodel: {{path: {tmp_path / 'nope'}}}\ndata: {{path: {CHAT_DATA}}}\n")
+    config.write_text(f"recipe: sft\nmodel: {{path: {path}}}\ndata: {{path: {CHAT_DATA}}}\n")
+    overrides = ["layout.tp_size=4"] if mistake == "tp-vs-heads" else []
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "automodel.training.cli", "sft", "--config", str(config), "--nproc-per-node", "2"],
+        [sys.executable, "-m", "automodel.training.cli", "sft", "--config", str(config), "--nproc-per-node", "4"]
+        + overrides,
         capture_output=True,
         text=True,
         timeout=120,
@@ -109,6 +145,6 @@ def test_the_command_refuses_within_seconds_before_any_process(model, tmp_path):
     )
     seconds = time.perf_counter() - started
     assert result.returncode == 2, result.stderr
-    assert f"model.path={tmp_path / 'nope'}" in result.stderr and "torch.distributed.run" not in result.stderr
+    assert f"model.path={path}" in result.stderr and "torch.distributed.run" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    print(f"refused in {seconds:.1f} s")
+    print(f"{mistake}: refused in {seconds:.1f} s")

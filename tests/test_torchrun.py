@@ -147,7 +147,7 @@ def test_automodel_passes_max_restarts_to_torchrun(tmp_path, monkeypatch, record
     config = tmp_path / "sft.yaml"
     config.write_text(f"recipe: sft\nmodel: {{path: {tmp_path}}}\ndata: {{path: {tmp_path}}}\n")
     launched = recorded_torchrun
-    monkeypatch.setattr("automodel.training.prelaunch.check_before_launch", lambda config: None)
+    monkeypatch.setattr("automodel.training.prelaunch.check_before_launch", lambda config, world_size: [])
     assert cli.main(["sft", "--config", str(config), "--nproc-per-node", "2", "--max-restarts", "3"]) == 0
     assert "--max-restarts=3" in launched[0] and "--nproc-per-node=2" in launched[0]
     assert cli.main(["sft", "--config", str(config), "--max-restarts", "-1"]) == 2

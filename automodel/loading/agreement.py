@@ -33,7 +33,7 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
     mine = None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
     dist.all_gather_object(reports, mine)
     failed = {rank: report for rank, report in enumerate(reports) if report is not None}
-    details = "\n".join(f"  rank {rank}: {name}: {message}" for rank, (_, name, message) in sorted(failed.items()))
+    details = _grouped(failed)
     module, qualname, _ = failed[min(failed)]
     combined = rebuild_exception(
         module, qualname, f"{what} failed on {len(failed)} of {len(reports)} ranks:\n{details}"
@@ -41,6 +41,18 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
     if error is not None:
         raise combined from error
     raise combined
+
+
+def _grouped(failed: dict[int, tuple[str, str, str]]) -> str:
+    """One line per distinct failure, naming the ranks that saw it (the same message from 1,000 ranks is one line)."""
+    ranks_by_report: dict[tuple[str, str], list[int]] = {}
+    for rank, (_, name, message) in sorted(failed.items()):
+        ranks_by_report.setdefault((name, message), []).append(rank)
+    lines = []
+    for (name, message), ranks in ranks_by_report.items():
+        shown = ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}-{ranks[-1]} ({len(ranks)} ranks)"
+        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {shown}: {name}: {message}")
+    return "\n".join(lines)
 
 
 def rebuild_exception(module: str, qualname: str, message: str) -> Exception:

@@ -124,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
 def _checked_before_launch(args: argparse.Namespace, config) -> bool:
     """The checks of ``prelaunch`` (printing the error and returning False when one fails), the warnings, and how
     many processes start when ``--nproc-per-node`` was left out."""
-    from .prelaunch import check_before_launch, warnings_before_launch
+    from .prelaunch import check_before_launch
 
     try:
-        check_before_launch(config)
+        warnings = check_before_launch(config, (args.nproc_per_node or 1) * args.nnodes)
     except ConfigError as error:
         print(f"automodel: config error: {error}", file=sys.stderr)
         return False
-    for warning in warnings_before_launch(config):
+    for warning in warnings:
         print(f"automodel: warning: {warning}", file=sys.stderr)
     if args.nproc_per_node is None:
         print(

@@ -106,20 +106,28 @@ def print_plan(model: str, world_size: int, layout: dict, *, as_json: bool = Fal
 
 def dry_run(config: RecipeConfig, world_size: int) -> int:
     """``automodel sft|pretrain --dry-run``: the plan of the resolved config on ``world_size`` ranks."""
-    from .config import pipeline_microbatches
-    from .loop import mesh_arguments, prepare_model
+    from .loop import prepare_model
 
     prepare_model(config)
-    dtypes = {"float32": "fp32", "bfloat16": "bf16"}
-    arguments = mesh_arguments(config.layout)
-    if config.layout.pp_size > 1:
-        arguments["pp_microbatches"] = pipeline_microbatches(config, world_size)
+    layout, options = plan_arguments(config, world_size)
     return print_plan(
         config.model.path,
         world_size,
-        arguments,
-        dtype=dtypes[config.model.dtype],
+        layout,
         micro_batch_size=config.train.micro_batch_size,
         seq_len=config.train.seq_len,
-        trust_remote_code=config.model.trust_remote_code,
+        **options,
     )
+
+
+def plan_arguments(config: RecipeConfig, world_size: int) -> tuple[dict, dict]:
+    """What a recipe config asks of ``automodel.plan``: the layout (``MeshContext.build`` keywords, the pipeline's
+    microbatches included) and the model options (``dtype``, ``trust_remote_code``)."""
+    from .config import pipeline_microbatches
+    from .loop import mesh_arguments
+
+    layout = mesh_arguments(config.layout)
+    if config.layout.pp_size > 1:
+        layout["pp_microbatches"] = pipeline_microbatches(config, world_size)
+    dtypes = {"float32": "fp32", "bfloat16": "bf16"}
+    return layout, {"dtype": dtypes[config.model.dtype], "trust_remote_code": config.model.trust_remote_code}

@@ -11,21 +11,21 @@ import json
 import uuid
 from pathlib import Path
 
-from .config import ConfigError, RecipeConfig
+from .config import ConfigError, LayoutSection, RecipeConfig
 
-__all__ = ["check_before_launch", "warnings_before_launch"]
+__all__ = ["check_before_launch"]
 
 
-def check_before_launch(config: RecipeConfig) -> None:
+def check_before_launch(config: RecipeConfig, world_size: int) -> list[str]:
     """The data paths exist and are not empty, the model's config can be read (a local folder, or a hub id that is
-    cached or can be fetched), and every output folder is a folder that exists or can be created, and is writable."""
+    cached or can be fetched), the layout fits the model on ``world_size`` processes (the real run's checks), and
+    every output folder is a folder that exists or can be created, and is writable. Returns the warnings: what the
+    run would do that its user most likely did not mean."""
     from .loop import prepare_model
 
     _check_data("data.path", config.data.path)
     if config.data.validation_path is not None:
         _check_data("data.validation_path", config.data.validation_path)
-    prepare_model(config)  # the tiny smoke-test model, written where model.tiny_if_missing asks for it
-    _check_model(config)
     outputs = {
         "checkpoint.dir": config.checkpoint.dir,
         "export.dir": config.export.dir,
@@ -34,16 +34,42 @@ def check_before_launch(config: RecipeConfig) -> None:
     for key, value in outputs.items():
         if value is not None:
             _check_writable_folder(key, Path(value))
-
-
-def warnings_before_launch(config: RecipeConfig) -> list[str]:
-    """What a run would do that its user most likely did not mean: training a model and keeping nothing of it."""
+    prepare_model(config)  # the tiny smoke-test model, written where model.tiny_if_missing asks for it
+    _check_model(config)
+    warnings = _check_layout(config, world_size)
     if config.checkpoint.dir is None and config.export.dir is None:
-        return [
+        warnings.append(
             "neither checkpoint.dir nor export.dir is set: the trained model will not be saved. Set export.dir=DIR "
             "(a checkpoint transformers loads) or checkpoint.dir=DIR (resumable training state)."
-        ]
-    return []
+        )
+    return warnings
+
+
+def _check_layout(config: RecipeConfig, world_size: int) -> list[str]:
+    """Rank 0 of the job simulated (``automodel.planning.layout_refusal``: the real build on meta and the real
+    ``parallelize`` under a fake process group), so that a layout the model cannot take (heads against
+    ``layout.tp_size``, experts against ``layout.ep_size``, layers against ``layout.pp_size`` ...) is refused with
+    the real run's own message. A failure of the simulation itself is a warning, not a refusal: the run checks again."""
+    from automodel.planning import layout_refusal
+
+    from .plan_command import plan_arguments
+
+    layout, options = plan_arguments(config, world_size)
+    try:
+        why = layout_refusal(config.model.path, world_size=world_size, layout=layout, **options)
+    except Exception as error:  # noqa: BLE001 - any failure of the check itself must not stop a run that may work
+        return [f"the layout could not be checked against the model before launch ({type(error).__name__}: {error})"]
+    if why is None:
+        return []
+    chosen = [f"layout.{key}={value}" for key, value in config.to_dict()["layout"].items() if _non_default(key, value)]
+    raise ConfigError(
+        f"{', '.join(chosen) or 'the default layout'} on {world_size} processes does not fit model.path="
+        f"{config.model.path}: {why}"
+    )
+
+
+def _non_default(key: str, value: object) -> bool:
+    return value != getattr(LayoutSection(), key)
 
 
 def _check_data(key: str, value: str) -> None:
