@@ -66,15 +66,16 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def recorded_torchrun(monkeypatch) -> list[list[str]]:
+def recorded_torchrun(monkeypatch, tmp_path) -> list[list[str]]:
     """The ``automodel`` command in this process with torchrun replaced by a recorder: the list of the commands it
-    would have started (empty when it refused before launching)."""
+    would have started (empty when it refused before launching). It runs in ``tmp_path``, where its log folder goes."""
     from automodel.training import cli
 
     launched: list[list[str]] = []
 
     class Recorded:
         pid = 0
+        stdout = stderr = None
 
         def __init__(self, command, **kwargs):
             launched.append(command)
@@ -82,6 +83,7 @@ def recorded_torchrun(monkeypatch) -> list[list[str]]:
         def wait(self):
             return 0
 
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
     monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: [])
     return launched

@@ -106,7 +106,8 @@ def test_wheel_works_in_a_fresh_virtualenv_outside_the_repo(tmp_path: Path) -> N
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     automodel = venv / "bin" / "automodel"
     help_text = _run([automodel, "--help"], cwd=elsewhere, env=env, timeout=300)
-    assert "config keys (section.key: default):" in help_text and "init-config" in help_text
+    assert "`automodel sft --help`" in help_text and "init-config" in help_text
+    assert "config keys of `automodel sft`" in _run([automodel, "sft", "--help"], cwd=elsewhere, env=env, timeout=300)
 
     _run([automodel, "init-config", "sft", "--output", "configs"], cwd=elsewhere, env=env, timeout=300)
     trained = _run(

@@ -145,10 +145,22 @@ def test_an_impossible_layout_exits_2_before_launching(config_file):
     assert "torch.distributed.run" not in result.stderr
 
 
+def test_every_config_key_has_a_one_line_meaning():
+    from automodel.training.config_help import KEY_MEANINGS, config_keys
+
+    assert set(KEY_MEANINGS) == set(config_keys())
+    assert all("\n" not in meaning and len(meaning) <= 110 for meaning in KEY_MEANINGS.values())
+
+
 def test_help_lists_the_keys_and_print_config_the_resolved_config(config_file):
     help_text = _automodel("sft", "--help").stdout
-    assert "config keys (section.key: default):" in help_text
-    assert "  train.lr: 0.0001" in help_text and "  layout.tp_size: 1" in help_text
+    assert "config keys of `automodel sft` (key = default, then its meaning" in help_text
+    assert re.search(r"^  train\.lr = 0\.0001 +peak learning rate \(AdamW\)$", help_text, re.MULTILINE), help_text
+    assert re.search(r"^  lora\.rank = 0 +LoRA adapter rank", help_text, re.MULTILINE), help_text
+    pretrain = _automodel("pretrain", "--help").stdout
+    assert "config keys of `automodel pretrain`" in pretrain and "  layout.tp_size = 1 " in pretrain
+    assert "lora." not in pretrain and "data.packing" not in pretrain, "SFT's own keys are not pretraining's"
+    assert "`automodel sft --help` and `automodel pretrain --help` list their keys" in _automodel("--help").stdout
     printed = _automodel("sft", "--config", str(config_file), "--print-config", "train.lr=3e-4")
     assert printed.returncode == 0, printed.stderr
     resolved = yaml.safe_load(printed.stdout)

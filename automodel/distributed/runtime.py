@@ -4,6 +4,7 @@ sharded tensor. One home for each, shared by the parallelizer, the loader, the a
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +14,28 @@ from torch.distributed.tensor import DTensor
 if TYPE_CHECKING:
     from .mesh import MeshContext
 
-__all__ = ["collective_device", "device_of", "full_tensor", "is_rank_zero", "log_rank_zero", "rank", "world_size"]
+__all__ = [
+    "PROGRESS_BARS_VARIABLE",
+    "collective_device",
+    "device_of",
+    "full_tensor",
+    "is_rank_zero",
+    "log_rank_zero",
+    "progress_bars_disabled",
+    "rank",
+    "world_size",
+]
+
+#: Set to 1 by the ``automodel`` command when its own output is a terminal: its training processes write into a pipe
+#: (``automodel.training.run_log``), which passes their bars on to that terminal.
+PROGRESS_BARS_VARIABLE = "AUTOMODEL_PROGRESS_BARS"
+
+
+def progress_bars_disabled() -> bool | None:
+    """tqdm's ``disable``: bars on a terminal only (``None``: tqdm asks whether the output is one), or where the
+    ``automodel`` command says that its output, which this process writes through, is one. In a log file a bar's
+    carriage-return redraws would glue onto the next lines."""
+    return False if os.environ.get(PROGRESS_BARS_VARIABLE) == "1" else None
 
 
 def rank() -> int:

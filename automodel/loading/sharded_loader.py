@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from automodel.distributed.runtime import progress_bars_disabled
+
 from .initialization import local_view
 from .placements import local_indices
 from .sources import Source
@@ -58,8 +60,8 @@ def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = 
     Shapes were checked by the caller. Returns the number of tensors loaded.
     """
     targets = [(name, tensor) for name, tensor in state_tensors(model) if name in sources]
-    # On a terminal only (disable=None): in a log file its carriage-return redraws would glue onto the next lines.
-    bar = tqdm(targets, desc="Loading weights", unit="tensor", disable=None if progress else True, leave=False)
+    disable = progress_bars_disabled() if progress else True
+    bar = tqdm(targets, desc="Loading weights", unit="tensor", disable=disable, leave=False)
     with torch.no_grad():
         for name, tensor in bar:
             local = local_view(tensor)

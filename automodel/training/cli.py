@@ -24,26 +24,33 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import yaml
 
-from .config import RECIPES, ConfigError, check_world_size, describe_keys, load_config
+from .config import RECIPES, ConfigError, check_world_size, load_config
+from .config_help import describe_keys
 
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(recipe: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser; its help lists ``recipe``'s config keys (``automodel sft --help``), or says how to."""
+    keys = (
+        describe_keys(recipe) if recipe else "`automodel sft --help` and `automodel pretrain --help` list their keys."
+    )
     parser = argparse.ArgumentParser(
-        prog="automodel",
+        prog=f"automodel {recipe}" if recipe else "automodel",
         description=__doc__.splitlines()[0],
-        epilog=describe_keys()
+        epilog=keys
         + "\n\nRelative paths in the YAML file are relative to its folder (docs/recipes.md)."
         + "\n`automodel init-config sft|pretrain [--output DIR]` writes a runnable example config and its data."
         + "\n`automodel plan --model PATH --world-size N [layout.KEY=VALUE ...]` plans a layout before a job starts.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("recipe", choices=RECIPES, help="what to run")
+    if recipe is None:
+        parser.add_argument("recipe", choices=RECIPES, help="what to run")
     parser.add_argument("--config", required=True, help="YAML recipe config (see docs/recipes.md)")
     parser.add_argument(
         "--nproc-per-node",
@@ -94,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         from .plan_command import main as plan_command
 
         return plan_command(argv[1:])
-    args = _parser().parse_intermixed_args(argv)
+    recipe = argv[0] if argv[:1] and argv[0] in RECIPES else None
+    args = _parser(recipe).parse_intermixed_args(argv[1:] if recipe else argv)
+    args.recipe = recipe or args.recipe
     under_torchrun = "LOCAL_RANK" in os.environ
     if ((args.nproc_per_node is not None and args.nproc_per_node < 1) or args.nnodes < 1) and not under_torchrun:
         print("automodel: --nproc-per-node and --nnodes must be at least 1", file=sys.stderr)
@@ -151,6 +160,7 @@ def _devices_hint() -> str:
 def _launch(args: argparse.Namespace, config) -> int:
     """Start torchrun with this command on every process; pass preemption signals on; its exit status."""
     from .preemption import forward_signals, launcher_settings
+    from .run_log import RunLog
 
     if not _checked_before_launch(args, config):
         return 2
@@ -170,9 +180,21 @@ def _launch(args: argparse.Namespace, config) -> int:
         args.config,
         *args.overrides,
     ]
-    process = subprocess.Popen(command, preexec_fn=preexec)  # no threads yet
+    log = RunLog(Path(config.log.dir).absolute(), config.recipe)
+    process = subprocess.Popen(  # no threads yet
+        command,
+        preexec_fn=preexec,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,  # a read returns what the pipe holds, as it comes
+        env={**os.environ, **log.environment()},
+    )
+    log.pump(process.stdout, sys.stdout)
+    log.pump(process.stderr, sys.stderr)
     received = forward_signals(process.pid)
     status = process.wait()
+    for line in log.finish(status, args.recipe, signalled=bool(received)):
+        print(line, file=sys.stderr, flush=True)
     if status == 0 and signal.SIGINT in received:
         return 128 + signal.SIGINT  # saved and stopped cleanly, but interrupted: the shell's status for Ctrl-C
     return 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + signal number
@@ -244,8 +266,19 @@ def _exit_without_teardown(status: int) -> NoReturn:
     os._exit(status)
 
 
+def _main_under_torchrun() -> NoReturn:
+    """A training process: its failure is reported to the ``automodel`` command (``run_log``) before the traceback."""
+    from .run_log import report_failure
+
+    try:
+        exit_status = main()
+    except Exception as error:
+        report_failure(error, int(os.environ.get("RANK", 0)))
+        raise
+    _exit_without_teardown(exit_status)
+
+
 if __name__ == "__main__":
-    exit_status = main()
-    if "LOCAL_RANK" in os.environ:  # a training process under torchrun
-        _exit_without_teardown(exit_status)
-    sys.exit(exit_status)
+    if "LOCAL_RANK" in os.environ:
+        _main_under_torchrun()
+    sys.exit(main())

@@ -25,12 +25,14 @@ __all__ = [
     "DataSection",
     "ExportSection",
     "LayoutSection",
+    "LogSection",
+    "MlflowSection",
     "LoraSection",
     "ModelSection",
     "RecipeConfig",
     "TrainSection",
+    "WandbSection",
     "check_world_size",
-    "describe_keys",
     "layout_from_overrides",
     "load_config",
     "parse_overrides",
@@ -165,6 +167,36 @@ class ExportSection:
 
 
 @dataclass(frozen=True)
+class WandbSection:
+    """Weights & Biases (``pip install "automodel[wandb]"``): set ``project`` to log the training scalars there."""
+
+    project: str | None = None
+    name: str | None = None
+    mode: Literal["online", "offline", "disabled"] = "online"
+    dir: str | None = None
+
+
+@dataclass(frozen=True)
+class MlflowSection:
+    """MLflow (``pip install "automodel[mlflow]"``): set ``experiment`` to log the training scalars and the config
+    there; ``tracking_uri`` defaults to MLflow's own (``MLFLOW_TRACKING_URI``)."""
+
+    experiment: str | None = None
+    tracking_uri: str | None = None
+    run_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LogSection:
+    """``dir``: the folder of the run's log files (``<recipe>-<time>-<host>.log``: every rank's output, tracebacks and
+    torchrun's report; ``automodel.training.run_log``); ``wandb`` and ``mlflow``: trackers beside TensorBoard."""
+
+    dir: str = "automodel_logs"
+    wandb: WandbSection = field(default_factory=WandbSection)
+    mlflow: MlflowSection = field(default_factory=MlflowSection)
+
+
+@dataclass(frozen=True)
 class RecipeConfig:
     """One recipe run. Build it with :func:`load_config`."""
 
@@ -176,6 +208,7 @@ class RecipeConfig:
     lora: LoraSection = field(default_factory=LoraSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     export: ExportSection = field(default_factory=ExportSection)
+    log: LogSection = field(default_factory=LogSection)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested values under the config's keys (for logs, checkpoints and the model card; the YAML it
@@ -195,7 +228,14 @@ def _plain(value: Any) -> Any:
 
 # Keys holding local paths, resolved against the YAML file's folder when relative. ``model.path`` may also be a hub
 # id: it is resolved only when it starts with "." or names something that exists there.
-PATH_KEYS = ("data.path", "data.validation_path", "checkpoint.dir", "export.dir", "train.tensorboard_dir")
+PATH_KEYS = (
+    "data.path",
+    "data.validation_path",
+    "checkpoint.dir",
+    "export.dir",
+    "train.tensorboard_dir",
+    "log.dir",
+)
 MODEL_PATH_KEY = "model.path"
 
 
@@ -309,18 +349,6 @@ def pipeline_microbatches(config: RecipeConfig, world_size: int) -> int:
             f"train.global_batch_size / dp = {train.global_batch_size} / {dp} = {rows} rows."
         )
     return microbatches
-
-
-def describe_keys() -> str:
-    """Every config section and key with its default, one per line (``automodel sft --help``)."""
-    lines = ["config keys (section.key: default):", "  recipe: sft | pretrain"]
-    for name, hint in typing.get_type_hints(RecipeConfig).items():
-        if not dataclasses.is_dataclass(hint):
-            continue
-        defaults = hint()
-        for key in dataclasses.fields(hint):
-            lines.append(f"  {name}.{_key(key)}: {getattr(defaults, key.name)!r}")
-    return "\n".join(lines)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -466,8 +494,14 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError("train.eval_every_steps is set but data.validation_path is not: say what to evaluate on.")
     if train.peak_tflops is not None and train.peak_tflops <= 0:
         raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be > 0 (one device's peak), or null.")
-    if train.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("train.tensorboard_dir needs the tensorboard package: pip install tensorboard.")
+    trackers = (
+        ("train.tensorboard_dir", train.tensorboard_dir, "tensorboard", "tensorboard"),
+        ("log.wandb.project", config.log.wandb.project, "wandb", '"automodel[wandb]"'),
+        ("log.mlflow.experiment", config.log.mlflow.experiment, "mlflow", '"automodel[mlflow]"'),
+    )
+    for key, value, module, requirement in trackers:
+        if value is not None and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{key}={value} needs the {module} package: pip install {requirement}.")
     if config.layout.compile and (config.layout.ep_size > 1 or config.layout.strategy == "megatron_fsdp"):
         raise ConfigError(
             "layout.compile=true compiles decoder blocks with layout.strategy=fsdp2 or ddp and ep_size=1 (the expert "

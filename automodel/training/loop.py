@@ -24,7 +24,7 @@ from automodel.auto_model import NeMoAutoModelForCausalLM, NeMoAutoModelForImage
 from automodel.distributed import FSDP2Config, MeshContext
 from automodel.distributed.context_parallel import shard_batch_for_context_parallel
 from automodel.distributed.pipelined_model import PipelinedModel
-from automodel.distributed.runtime import log_rank_zero
+from automodel.distributed.runtime import log_rank_zero, progress_bars_disabled
 from automodel.loading.pipeline import transformers_model
 
 from .batches import DistributedBatchLoader, joined_batch
@@ -38,6 +38,7 @@ from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedu
 from .packing import check_packed_attention
 from .preemption import PreemptionHandler
 from .tiny_model import write_tiny_model
+from .trackers import Trackers
 from .vlm import IMAGE_TEXT_TO_TEXT, model_kind, resolve_image_paths, tokenize_vlm_sft
 from .watchdog import HangWatchdog
 
@@ -304,7 +305,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
             _describe_layout(_layout_of(config)),
             lr,
         )
-    writer = _tensorboard(config)
+    trackers = Trackers(config, rank=dist.get_rank())
     device = next(model.parameters()).device
     flops = flops_per_token(_whole_model(model), train.seq_len)
     if isinstance(model, PipelinedModel):
@@ -326,9 +327,11 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     checkpointer = None
     if checkpoint.dir is not None:
         checkpointer = Checkpointer(checkpoint.dir, keep=checkpoint.keep, asynchronous=checkpoint.async_)
-    # A bar on a terminal only (tqdm's disable=None), with the log lines written above it; in a log file, only whole
-    # step lines (a bar's carriage-return redraws would glue onto them).
-    bar = tqdm(range(result.resumed_from, last), desc=config.recipe, disable=None if is_main else True)
+    # A bar on a terminal only, with the log lines written above it; in a log file, only whole step lines (a bar's
+    # carriage-return redraws would glue onto them).
+    bar = tqdm(
+        range(result.resumed_from, last), desc=config.recipe, disable=progress_bars_disabled() if is_main else True
+    )
     with HangWatchdog(train.hang_timeout_s, rank=dist.get_rank()) as watchdog, logging_redirect_tqdm():
         for step in bar:
             start = time.perf_counter()
@@ -349,7 +352,16 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
             )
             bubble = model.last_bubble if isinstance(model, PipelinedModel) else None
             _log(
-                step + 1, result.losses[-1], lr, norm.item(), throughput, seconds, bar, writer, train.log_every, bubble
+                step + 1,
+                result.losses[-1],
+                lr,
+                norm.item(),
+                throughput,
+                seconds,
+                bar,
+                trackers,
+                train.log_every,
+                bubble,
             )
             watchdog.beat(step + 1)
             if checkpointer is not None and (_should_save(config, step + 1, last) or stop):
@@ -363,7 +375,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
                 )
                 checkpointer.save(model, optimizer, state)  # in the background with checkpoint.async
             if validation is not None and (stop or _should_evaluate(train, step + 1, last)):
-                result.eval_losses[step + 1] = _evaluate(validation, model, context, step + 1, writer)
+                result.eval_losses[step + 1] = _evaluate(validation, model, context, step + 1, trackers)
             if stop:
                 result.preempted = stop
                 if checkpointer is not None:
@@ -372,8 +384,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
                 break
     if checkpointer is not None:
         result.checkpoint = checkpointer.wait()  # the save in flight, if any, completes and is committed
-    if writer is not None:
-        writer.close()
+    trackers.close()
     result.model = model
     if config.export.dir is not None and last == train.max_steps and result.preempted is None:
         result.export_dir = str(_export(config, model, tokenizer))
@@ -482,7 +493,7 @@ def _should_save(config: RecipeConfig, step: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _log(step, loss, lr, norm, throughput: Throughput, seconds, bar, writer, every, bubble=None) -> None:
+def _log(step, loss, lr, norm, throughput: Throughput, seconds, bar, trackers: Trackers, every, bubble=None) -> None:
     if dist.get_rank() != 0 or step % every:
         return
     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
@@ -499,25 +510,24 @@ def _log(step, loss, lr, norm, throughput: Throughput, seconds, bar, writer, eve
         idle,
         seconds,
     )
-    if writer is not None:
-        scalars = {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": throughput.tokens_per_s}
-        if throughput.mfu is not None:
-            scalars["mfu"] = throughput.mfu
-        if bubble is not None:
-            scalars["pipeline_bubble"] = bubble
-        for name, value in scalars.items():
-            writer.add_scalar(f"train/{name}", value, step)
+    scalars = {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": throughput.tokens_per_s}
+    if throughput.mfu is not None:
+        scalars["mfu"] = throughput.mfu
+    if bubble is not None:
+        scalars["pipeline_bubble"] = bubble
+    trackers.scalars({f"train/{name}": value for name, value in scalars.items()}, step)
 
 
 def _should_evaluate(train, step: int, last: int) -> bool:
     return step == last or (train.eval_every_steps > 0 and step % train.eval_every_steps == 0)
 
 
-def _evaluate(validation: ValidationSet, model: nn.Module, context: MeshContext, step: int, writer) -> float:
+def _evaluate(
+    validation: ValidationSet, model: nn.Module, context: MeshContext, step: int, trackers: Trackers
+) -> float:
     loss = validation.loss(model, context, model_inputs)
     log_rank_zero(logger, "step %d | eval loss %.4f", step, loss)
-    if writer is not None:
-        writer.add_scalar("eval/loss", loss, step)
+    trackers.scalars({"eval/loss": loss}, step)
     return loss
 
 
@@ -531,14 +541,6 @@ def _validation_set(config: RecipeConfig, tokenizer) -> ValidationSet | None:
     else:
         examples = _tokenize_sft(data.validation_path, tokenizer, train.seq_len)
     return ValidationSet(examples, micro_batch_size=train.micro_batch_size, seq_len=train.seq_len, pad_id=pad_id)
-
-
-def _tensorboard(config: RecipeConfig):
-    if config.train.tensorboard_dir is None or dist.get_rank() != 0:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(config.train.tensorboard_dir)
 
 
 def _export(config: RecipeConfig, model: nn.Module, tokenizer):

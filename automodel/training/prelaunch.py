@@ -30,6 +30,7 @@ def check_before_launch(config: RecipeConfig, world_size: int) -> list[str]:
         "checkpoint.dir": config.checkpoint.dir,
         "export.dir": config.export.dir,
         "train.tensorboard_dir": config.train.tensorboard_dir,
+        "log.dir": config.log.dir,
     }
     for key, value in outputs.items():
         if value is not None:
