@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .data import IGNORE_INDEX, Example, _check_positive
 from .vlm import collate_media
 
-__all__ = ["DistributedBatchLoader", "joined_batch"]
+__all__ = ["DistributedBatchLoader", "PrefetchingLoader", "joined_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class DistributedBatchLoader:
 
     def __init__(
         self,
-        examples: list[Example],
+        examples: Sequence[Example],
         *,
         global_batch_size: int,
         micro_batch_size: int,
@@ -39,6 +40,7 @@ class DistributedBatchLoader:
         seq_len: int,
         pad_id: int,
         seed: int = 0,
+        shuffle: bool = True,
     ) -> None:
         _check_positive(
             global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, dp_size=dp_size, seq_len=seq_len
@@ -55,16 +57,17 @@ class DistributedBatchLoader:
                 f"{len(examples)} examples are fewer than one global batch of {global_batch_size}; add data or lower "
                 "global_batch_size"
             )
-        for index, example in enumerate(examples):
-            if len(example.input_ids) > seq_len:
-                raise ValueError(f"Example {index} has {len(example.input_ids)} tokens > seq_len={seq_len}")
+        if isinstance(examples, list):  # read on demand (prepared data) they are seq_len long at most by construction
+            for index, example in enumerate(examples):
+                if len(example.input_ids) > seq_len:
+                    raise ValueError(f"Example {index} has {len(example.input_ids)} tokens > seq_len={seq_len}")
         self._examples = examples
         self._global_batch_size = global_batch_size
         self._micro_batch_size = micro_batch_size
         self._dp_rank, self._dp_size = dp_rank, dp_size
-        self._seq_len, self._pad_id, self._seed = seq_len, pad_id, seed
+        self._seq_len, self._pad_id, self._seed, self._shuffle = seq_len, pad_id, seed, shuffle
         self._epoch, self._step = 0, 0
-        self._order: list[int] | None = None
+        self._order: torch.Tensor | None = None
         dropped = len(examples) % global_batch_size
         if dropped:
             logger.warning(
@@ -89,11 +92,15 @@ class DistributedBatchLoader:
         ``[micro_batch_size, seq_len]``; wraps into the next epoch transparently."""
         if self._step == self.steps_per_epoch:
             self._epoch, self._step, self._order = self._epoch + 1, 0, None
-        if self._order is None:
-            self._order = _epoch_permutation(len(self._examples), self._seed, self._epoch)
         rank_size = self._global_batch_size // self._dp_size
         start = self._step * self._global_batch_size + self._dp_rank * rank_size
-        indices = self._order[start : start + rank_size]
+        if not self._shuffle:  # an order of its own (a blend): epoch e continues it at e * len(examples)
+            first = self._epoch * len(self._examples) + start
+            indices = list(range(first, first + rank_size))
+        else:
+            if self._order is None:
+                self._order = _epoch_permutation(len(self._examples), self._seed, self._epoch)
+            indices = self._order[start : start + rank_size].tolist()
         self._step += 1
         micro = self._micro_batch_size
         return [self._collate(indices[i : i + micro]) for i in range(0, rank_size, micro)]
@@ -151,8 +158,48 @@ def joined_batch(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torc
     return {key: torch.cat([batch[key] for batch in micro_batches]) for key in keys}
 
 
-def _epoch_permutation(size: int, seed: int, epoch: int) -> list[int]:
-    """The same permutation on every rank and every run for ``(seed, epoch)``."""
+def _epoch_permutation(size: int, seed: int, epoch: int) -> torch.Tensor:
+    """The same permutation on every rank and every run for ``(seed, epoch)``; a tensor (8 bytes per example, where a
+    list of Python ints would take about 36)."""
     digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.randperm(size, generator=generator).tolist()
+    return torch.randperm(size, generator=generator)
+
+
+class PrefetchingLoader:
+    """A loader whose next global batch is built in a background thread while the current step runs, so that
+    reading (prepared data: memory-mapped windows) never stalls a step. Its state is the state after the batches
+    handed out, not the one prefetched, so a checkpoint resumes exactly where training stood."""
+
+    def __init__(self, loader: DistributedBatchLoader) -> None:
+        self._loader = loader
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="automodel-prefetch")
+        self._next: Future | None = None
+        self._state: dict | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._loader.steps_per_epoch
+
+    @property
+    def grad_accumulation_steps(self) -> int:
+        return self._loader.grad_accumulation_steps
+
+    def next_global_batch(self) -> list[dict[str, torch.Tensor]]:
+        batch = self._loader.next_global_batch() if self._next is None else self._next.result()
+        self._state = self._loader.state_dict()  # nothing in flight now
+        self._next = self._pool.submit(self._loader.next_global_batch)
+        return batch
+
+    def state_dict(self) -> dict:
+        return dict(self._state) if self._state is not None else self._loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._next is not None:
+            self._next.result()
+            self._next = None
+        self._loader.load_state_dict(state)
+        self._state = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -46,7 +46,8 @@ def _parser(recipe: str | None = None) -> argparse.ArgumentParser:
         epilog=keys
         + "\n\nRelative paths in the YAML file are relative to its folder (docs/recipes.md)."
         + "\n`automodel init-config sft|pretrain [--output DIR]` writes a runnable example config and its data."
-        + "\n`automodel plan --model PATH --world-size N [layout.KEY=VALUE ...]` plans a layout before a job starts.",
+        + "\n`automodel plan --model PATH --world-size N [layout.KEY=VALUE ...]` plans a layout before a job starts."
+        + "\n`automodel prepare-data --tokenizer T --input FILES --output DIR` tokenizes a corpus once (Data at scale).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     if recipe is None:
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         from .init_config import main as init_config
 
         return init_config(argv[1:])
+    if argv[:1] == ["prepare-data"]:
+        from .prepare_data import main as prepare_data
+
+        return prepare_data(argv[1:])
     if argv[:1] == ["plan"]:
         from .plan_command import main as plan_command
 

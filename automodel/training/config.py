@@ -20,6 +20,7 @@ import yaml
 
 __all__ = [
     "PATH_KEYS",
+    "BlendSource",
     "CheckpointSection",
     "ConfigError",
     "DataSection",
@@ -86,15 +87,27 @@ class LayoutSection:
 
 
 @dataclass(frozen=True)
+class BlendSource:
+    """One source of ``data.blend``: a prepared folder and its weight (the weights need not sum to 1)."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class DataSection:
-    """``path``: chat / prompt-completion JSONL (SFT), text files or ``{"text"}`` JSONL (pretraining), or any local
-    dataset ``datasets`` reads."""
+    """``path``: chat / prompt-completion JSONL (SFT), text files or ``{"text"}`` JSONL (pretraining), any local
+    dataset ``datasets`` reads, or a folder ``automodel prepare-data`` wrote. ``blend``: prepared folders mixed at
+    their weights (pretraining; instead of ``path``)."""
 
     path: str = ""
     packing: bool = False
     seed: int = 0
     # Held-out data in the same format, evaluated every train.eval_every_steps and at the end (eval loss in the log).
     validation_path: str | None = None
+    blend: tuple[BlendSource, ...] = ()
+    # Train on prepared data whose tokenizer is not the model's (its manifest names another): only if you know why.
+    allow_tokenizer_mismatch: bool = False
 
 
 @dataclass(frozen=True)
@@ -267,6 +280,12 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, recipe: s
 
 
 def _resolve_paths(raw: dict[str, Any], folder: Path) -> None:
+    data = raw.get("data")
+    blend = data.get("blend") if isinstance(data, dict) else None
+    for source in blend if isinstance(blend, list) else ():
+        value = source.get("path") if isinstance(source, dict) else None
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            source["path"] = str((folder / value).resolve())
     for key in (*PATH_KEYS, MODEL_PATH_KEY):
         section, _, name = key.partition(".")
         node = raw.get(section)
@@ -418,6 +437,8 @@ def _key(item: dataclasses.Field) -> str:
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """``value`` as type ``hint`` (ints become floats where floats are wanted, lists become tuples), or a clear error."""
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, f"{key}.")
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         for option in args:
@@ -470,8 +491,7 @@ def _validate(config: RecipeConfig) -> None:
     train, model = config.train, config.model
     if not model.path:
         raise ConfigError("model.path is required: a hub id or a local checkpoint directory.")
-    if not config.data.path:
-        raise ConfigError("data.path is required: a JSONL file, a folder of them, or a local dataset.")
+    _validate_data(config)
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "loss_chunk_size"):
         if getattr(train, key) < 1:
             raise ConfigError(f"train.{key}={getattr(train, key)} must be at least 1.")
@@ -530,6 +550,24 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError("checkpoint.every_steps is set but checkpoint.dir is not: say where checkpoints go.")
     if config.export.push_to_hub and config.export.dir is None:
         raise ConfigError("export.push_to_hub needs export.dir (the folder that is uploaded).")
+
+
+def _validate_data(config: RecipeConfig) -> None:
+    data = config.data
+    if data.blend:
+        if data.path:
+            raise ConfigError("data.path and data.blend are both set: give one (data.blend lists the sources itself).")
+        if config.recipe != "pretrain":
+            raise ConfigError("data.blend mixes pretraining sources: use it with `automodel pretrain`.")
+        for index, source in enumerate(data.blend):
+            if not source.path or source.weight <= 0:
+                raise ConfigError(f"data.blend[{index}] needs a path and a weight > 0, got {source}.")
+        return
+    if not data.path:
+        raise ConfigError(
+            "data.path is required: a JSONL file, a folder of them, a local dataset, or a prepared folder (or give "
+            "data.blend)."
+        )
 
 
 def validate_vision_language(config: RecipeConfig) -> None:

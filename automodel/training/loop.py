@@ -27,7 +27,7 @@ from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import log_rank_zero, progress_bars_disabled
 from automodel.loading.pipeline import transformers_model
 
-from .batches import DistributedBatchLoader, joined_batch
+from .batches import DistributedBatchLoader, PrefetchingLoader, joined_batch
 from .checkpoint import Checkpointer, TrainerState, latest_checkpoint, load_checkpoint
 from .config import ConfigError, LayoutSection, RecipeConfig, pipeline_microbatches, validate_vision_language
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
@@ -37,6 +37,8 @@ from .metrics import flops_per_token, model_flops_utilization
 from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedule
 from .packing import check_packed_attention
 from .preemption import PreemptionHandler
+from .prepared import PreparedCorpus, PreparedExamples, is_prepared
+from .prepared_reading import read_prepared, suggest_prepare_data
 from .tiny_model import write_tiny_model
 from .trackers import Trackers
 from .vlm import IMAGE_TEXT_TO_TEXT, model_kind, resolve_image_paths, tokenize_vlm_sft
@@ -153,16 +155,23 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _build_loader(config: RecipeConfig, tokenizer, context: MeshContext) -> DistributedBatchLoader:
+def _build_loader(config: RecipeConfig, tokenizer, context: MeshContext) -> DistributedBatchLoader | PrefetchingLoader:
+    """The run's batches: prepared data (``data.path`` a prepared folder, or ``data.blend``) read window by window
+    with a background prefetch, else the data tokenized in memory."""
     train, data = config.train, config.data
     pad_id = _pad_id(tokenizer)
-    if config.recipe == "pretrain":
-        examples = tokenize_pretraining(load_texts(data.path), tokenizer, train.seq_len)
+    prepared = read_prepared(config, tokenizer, pad_id)
+    if prepared is not None:
+        examples, shuffle = prepared
+    elif config.recipe == "pretrain":
+        examples, shuffle = tokenize_pretraining(load_texts(data.path), tokenizer, train.seq_len), True
     else:
-        examples = _tokenize_sft(data.path, tokenizer, train.seq_len)
+        examples, shuffle = _tokenize_sft(data.path, tokenizer, train.seq_len), True
         if data.packing:
             examples = pack_examples(examples, train.seq_len, pad_id)
-    return DistributedBatchLoader(
+    if prepared is None:
+        suggest_prepare_data(config, examples)
+    loader = DistributedBatchLoader(
         examples,
         global_batch_size=train.global_batch_size,
         micro_batch_size=train.micro_batch_size,
@@ -171,7 +180,9 @@ def _build_loader(config: RecipeConfig, tokenizer, context: MeshContext) -> Dist
         seq_len=train.seq_len,
         pad_id=pad_id,
         seed=data.seed,
+        shuffle=shuffle,
     )
+    return loader if prepared is None else PrefetchingLoader(loader)
 
 
 def _valid_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -385,6 +396,8 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     if checkpointer is not None:
         result.checkpoint = checkpointer.wait()  # the save in flight, if any, completes and is committed
     trackers.close()
+    if isinstance(loader, PrefetchingLoader):
+        loader.close()
     result.model = model
     if config.export.dir is not None and last == train.max_steps and result.preempted is None:
         result.export_dir = str(_export(config, model, tokenizer))
@@ -536,7 +549,9 @@ def _validation_set(config: RecipeConfig, tokenizer) -> ValidationSet | None:
     if data.validation_path is None:
         return None
     pad_id = _pad_id(tokenizer)
-    if config.recipe == "pretrain":
+    if is_prepared(data.validation_path):  # held-out data is small: its examples are read once, into memory
+        examples = list(PreparedExamples(PreparedCorpus(data.validation_path), train.seq_len, pad_id=pad_id))
+    elif config.recipe == "pretrain":
         examples = tokenize_pretraining(load_texts(data.validation_path), tokenizer, train.seq_len)
     else:
         examples = _tokenize_sft(data.validation_path, tokenizer, train.seq_len)

@@ -23,7 +23,10 @@ def check_before_launch(config: RecipeConfig, world_size: int) -> list[str]:
     run would do that its user most likely did not mean."""
     from .loop import prepare_model
 
-    _check_data("data.path", config.data.path)
+    if config.data.path:
+        _check_data("data.path", config.data.path)
+    for index, source in enumerate(config.data.blend):
+        _check_data(f"data.blend[{index}].path", source.path)
     if config.data.validation_path is not None:
         _check_data("data.validation_path", config.data.validation_path)
     outputs = {
@@ -37,6 +40,7 @@ def check_before_launch(config: RecipeConfig, world_size: int) -> list[str]:
             _check_writable_folder(key, Path(value))
     prepare_model(config)  # the tiny smoke-test model, written where model.tiny_if_missing asks for it
     _check_model(config)
+    _check_prepared(config)
     warnings = _check_layout(config, world_size)
     if config.checkpoint.dir is None and config.export.dir is None:
         warnings.append(
@@ -44,6 +48,19 @@ def check_before_launch(config: RecipeConfig, world_size: int) -> list[str]:
             "(a checkpoint transformers loads) or checkpoint.dir=DIR (resumable training state)."
         )
     return warnings
+
+
+def _check_prepared(config: RecipeConfig) -> None:
+    """Prepared data (``automodel prepare-data``): whole, of the recipe's kind, and of the model's tokenizer."""
+    from .prepared import is_prepared
+    from .prepared_reading import check_prepared_data
+
+    if not config.data.blend and not (config.data.path and is_prepared(config.data.path)):
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path, revision=config.model.revision)
+    check_prepared_data(config, tokenizer)
 
 
 def _check_layout(config: RecipeConfig, world_size: int) -> list[str]:
