@@ -351,3 +351,50 @@ def test_pretraining_on_prepared_data_resumes_bitwise_and_blends_run(ranks2, mod
     ]
     losses = ranks2.run(train, str(config), blend)[0]["losses"]
     assert len(losses) == 8 and all(np.isfinite(losses))
+
+
+# ------------------------------------------------------------------------------------------- hub datasets by name
+
+
+@pytest.fixture
+def cached_hub_dataset(tmp_path, monkeypatch) -> Path:
+    """``someone/chats`` in a ``datasets`` cache, as an earlier online load leaves it (built here from a local parquet
+    file with ``datasets``' own parquet builder, then placed at ``<cache>/someone___chats/default/0.0.0/<commit>``),
+    and this process offline."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow
+    import pyarrow.parquet as pq
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    records = [json.loads(line) for line in CHAT_DATA.read_text().splitlines()]
+    pq.write_table(pyarrow.Table.from_pylist([{"text": str(r)} | r for r in records]), tmp_path / "train.parquet")
+    builder = Parquet(
+        cache_dir=str(tmp_path / "build"), dataset_name="chats", data_files={"train": str(tmp_path / "train.parquet")}
+    )
+    builder.download_and_prepare()
+    cache = tmp_path / "datasets"
+    shutil.copytree(builder.cache_dir, cache / "someone___chats" / "default" / "0.0.0" / "0123abcd")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    return cache
+
+
+def test_a_hub_dataset_id_reads_from_the_datasets_cache_offline(
+    cached_hub_dataset, model, tmp_path, recorded_torchrun, capsys
+):
+    from automodel.training.data import is_hub_dataset_id
+
+    assert is_hub_dataset_id("someone/chats") and not is_hub_dataset_id("data/train.jsonl")
+    records = load_records("someone/chats", cache_dir=cached_hub_dataset)
+    assert [record["messages"] for record in records] == [
+        json.loads(line).get("messages") for line in CHAT_DATA.read_text().splitlines()
+    ]
+    assert len(load_texts("someone/chats", cache_dir=cached_hub_dataset)) == len(records)
+    with pytest.raises(ValueError, match="data.path=someone/missing .* could not be loaded.*datasets` cache"):
+        load_records("someone/missing", cache_dir=cached_hub_dataset)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"recipe: sft\nmodel: {{path: {model}}}\ndata: {{path: someone/missing}}\n")
+    capsys.readouterr()
+    assert cli.main(["sft", "--config", str(config), "--nproc-per-node", "2"]) == 2 and not recorded_torchrun
+    assert "data.path=someone/missing is a hub dataset id that is not in the datasets cache" in capsys.readouterr().err
+    assert cli.main(["sft", "--config", str(config), "--nproc-per-node", "2", "data.path=someone/chats"]) == 0

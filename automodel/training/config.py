@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ class DataSection:
     # Held-out data in the same format, evaluated every train.eval_every_steps and at the end (eval loss in the log).
     validation_path: str | None = None
     blend: tuple[BlendSource, ...] = ()
+    # With a hub dataset id as data.path (org/name): the split to train on and the dataset's configuration name.
+    split: str = "train"
+    name: str | None = None
     # Train on prepared data whose tokenizer is not the model's (its manifest names another): only if you know why.
     allow_tokenizer_mismatch: bool = False
 
@@ -250,6 +254,9 @@ PATH_KEYS = (
     "log.dir",
 )
 MODEL_PATH_KEY = "model.path"
+# data.path and data.validation_path may be hub dataset ids (org/name), kept as written when nothing is there.
+_DATA_KEYS = ("data.path", "data.validation_path")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w-]*/[\w-]+")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), *, recipe: str | None = None) -> RecipeConfig:
@@ -293,8 +300,9 @@ def _resolve_paths(raw: dict[str, Any], folder: Path) -> None:
         if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
             continue
         resolved = folder / value
-        if key == MODEL_PATH_KEY and not (value.startswith(".") or resolved.exists()):
-            continue  # a hub id
+        hub_key = key == MODEL_PATH_KEY or (key in _DATA_KEYS and _HUB_ID.fullmatch(value) and "." not in value)
+        if hub_key and not (value.startswith(".") or resolved.exists()):
+            continue  # a hub id (of a model, or of a dataset)
         node[name] = str(resolved.resolve())
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,27 @@ class Example:
 # ---------------------------------------------------------------------------------------------------------- loading
 
 
-def load_records(path: str | Path, *, cache_dir: str | Path | None = None) -> list[dict]:
+def is_hub_dataset_id(value: str | Path) -> bool:
+    """Whether ``value`` names a Hugging Face hub dataset (``org/name``) rather than a local path: it does not exist
+    here, has exactly one ``/`` and no data file suffix."""
+    text = str(value)
+    return (
+        not Path(text).exists()
+        and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) is not None
+        and Path(text).suffix not in (*_DATASETS_BUILDERS, ".jsonl")
+    )
+
+
+def load_records(
+    path: str | Path, *, cache_dir: str | Path | None = None, split: str = "train", name: str | None = None
+) -> list[dict]:
     """Read the records at ``path``: a JSONL file, a folder of JSONL files (sorted by name), or anything
     ``datasets.load_dataset`` reads locally (json/csv/parquet/arrow files or folders) or ``load_from_disk`` reads
-    (a saved dataset dir; its ``train`` split when it holds several). ``cache_dir`` is passed to ``datasets``."""
+    (a saved dataset dir; its ``train`` split when it holds several), or a hub dataset id (``org/name``: its
+    ``split``, of its configuration ``name``, through ``datasets`` and its cache, which is all it reads offline).
+    ``cache_dir`` is passed to ``datasets``."""
+    if is_hub_dataset_id(path):
+        return _load_hub_dataset(str(path), split, name, cache_dir)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Data path {str(path)!r} does not exist; expected {ACCEPTED_FORMATS}")
@@ -85,9 +103,14 @@ def load_records(path: str | Path, *, cache_dir: str | Path | None = None) -> li
     return _load_with_datasets(path, builder, data_files=str(path), cache_dir=cache_dir)
 
 
-def load_texts(path: str | Path, *, cache_dir: str | Path | None = None) -> list[str]:
+def load_texts(
+    path: str | Path, *, cache_dir: str | Path | None = None, split: str = "train", name: str | None = None
+) -> list[str]:
     """Pretraining documents: a ``.txt`` file is one document, a folder of ``.txt`` files one document per file
     (sorted by name); anything else goes through ``load_records`` and each record's ``"text"`` field is a document."""
+    if is_hub_dataset_id(path):
+        records = load_records(path, cache_dir=cache_dir, split=split, name=name)
+        return [_text_of(record, index, path) for index, record in enumerate(records)]
     path = Path(path)
     if path.is_file() and path.suffix == ".txt":
         return [path.read_text(encoding="utf-8")]
@@ -95,15 +118,32 @@ def load_texts(path: str | Path, *, cache_dir: str | Path | None = None) -> list
         txt_files = sorted(path.glob("*.txt"))
         if txt_files:
             return [file.read_text(encoding="utf-8") for file in txt_files]
-    texts = []
-    for index, record in enumerate(load_records(path, cache_dir=cache_dir)):
-        if not isinstance(record.get("text"), str):
-            raise ValueError(
-                f"Record {index} of {str(path)!r} has no string 'text' field (keys: {sorted(record)}); pretraining "
-                "records look like {'text': '...'}"
-            )
-        texts.append(record["text"])
-    return texts
+    return [_text_of(record, index, path) for index, record in enumerate(load_records(path, cache_dir=cache_dir))]
+
+
+def _text_of(record: dict, index: int, path: str | Path) -> str:
+    if not isinstance(record.get("text"), str):
+        raise ValueError(
+            f"Record {index} of {str(path)!r} has no string 'text' field (keys: {sorted(record)}); pretraining "
+            "records look like {'text': '...'}"
+        )
+    return record["text"]
+
+
+def _load_hub_dataset(dataset_id: str, split: str, name: str | None, cache_dir: str | Path | None) -> list[dict]:
+    datasets = _import_datasets()
+    try:
+        dataset = datasets.load_dataset(
+            dataset_id, name=name, split=split, cache_dir=None if cache_dir is None else str(cache_dir)
+        )
+    except Exception as error:  # datasets raises many types (offline: ConnectionError); name the id and the fix
+        raise ValueError(
+            f"data.path={dataset_id} (a hub dataset id, split {split!r}"
+            f"{'' if name is None else f', configuration {name!r}'}) could not be loaded: {error}. Offline, the "
+            "dataset must be in the `datasets` cache (HF_DATASETS_CACHE) from an earlier online load; or give a "
+            "local path."
+        ) from None
+    return dataset.to_list()
 
 
 def _read_jsonl(path: Path) -> list[dict]:

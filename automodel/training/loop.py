@@ -143,11 +143,12 @@ def _lora_config(config: RecipeConfig):
     return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
 
 
-def _tokenize_sft(path: str, tokenizer, seq_len: int) -> list:
-    """Chat records tokenized by a tokenizer's template, or (a processor) rendered with their images."""
+def _tokenize_sft(path: str, tokenizer, seq_len: int, **hub: Any) -> list:
+    """Chat records tokenized by a tokenizer's template, or (a processor) rendered with their images. ``hub``: the
+    split and configuration name of a hub dataset id."""
     if hasattr(tokenizer, "image_processor"):
-        return tokenize_vlm_sft(resolve_image_paths(load_records(path), path), tokenizer, seq_len)
-    return tokenize_sft(load_records(path), tokenizer, seq_len)
+        return tokenize_vlm_sft(resolve_image_paths(load_records(path, **hub), path), tokenizer, seq_len)
+    return tokenize_sft(load_records(path, **hub), tokenizer, seq_len)
 
 
 def _pad_id(tokenizer) -> int:
@@ -164,9 +165,10 @@ def _build_loader(config: RecipeConfig, tokenizer, context: MeshContext) -> Dist
     if prepared is not None:
         examples, shuffle = prepared
     elif config.recipe == "pretrain":
-        examples, shuffle = tokenize_pretraining(load_texts(data.path), tokenizer, train.seq_len), True
+        texts = load_texts(data.path, split=data.split, name=data.name)
+        examples, shuffle = tokenize_pretraining(texts, tokenizer, train.seq_len), True
     else:
-        examples, shuffle = _tokenize_sft(data.path, tokenizer, train.seq_len), True
+        examples, shuffle = _tokenize_sft(data.path, tokenizer, train.seq_len, split=data.split, name=data.name), True
         if data.packing:
             examples = pack_examples(examples, train.seq_len, pad_id)
     if prepared is None:
@@ -552,9 +554,10 @@ def _validation_set(config: RecipeConfig, tokenizer) -> ValidationSet | None:
     if is_prepared(data.validation_path):  # held-out data is small: its examples are read once, into memory
         examples = list(PreparedExamples(PreparedCorpus(data.validation_path), train.seq_len, pad_id=pad_id))
     elif config.recipe == "pretrain":
-        examples = tokenize_pretraining(load_texts(data.validation_path), tokenizer, train.seq_len)
+        texts = load_texts(data.validation_path, split="validation", name=data.name)
+        examples = tokenize_pretraining(texts, tokenizer, train.seq_len)
     else:
-        examples = _tokenize_sft(data.validation_path, tokenizer, train.seq_len)
+        examples = _tokenize_sft(data.validation_path, tokenizer, train.seq_len, split="validation", name=data.name)
     return ValidationSet(examples, micro_batch_size=train.micro_batch_size, seq_len=train.seq_len, pad_id=pad_id)
 
 

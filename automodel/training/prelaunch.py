@@ -7,6 +7,7 @@ exits with status 2 before torchrun starts.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import uuid
 from pathlib import Path
@@ -91,6 +92,11 @@ def _non_default(key: str, value: object) -> bool:
 
 
 def _check_data(key: str, value: str) -> None:
+    from .data import is_hub_dataset_id
+
+    if is_hub_dataset_id(value):
+        _check_hub_dataset(key, value)
+        return
     path = Path(value)
     if not path.exists():
         raise ConfigError(f"{key}={value}: no such file or folder. Give a JSONL / text file, a folder of them, or a "
@@ -99,6 +105,27 @@ def _check_data(key: str, value: str) -> None:
         raise ConfigError(f"{key}={value} is an empty file: there is nothing to train on.")
     if path.is_dir() and not any(item.is_file() for item in path.rglob("*")):
         raise ConfigError(f"{key}={value} is a folder without any file in it: there is nothing to train on.")
+
+
+def _check_hub_dataset(key: str, value: str) -> None:
+    """A hub dataset id needs ``datasets``; offline, it must be in the ``datasets`` cache (where an earlier online
+    load put it: ``<HF_DATASETS_CACHE>/<org>___<name>``)."""
+    if importlib.util.find_spec("datasets") is None:
+        raise ConfigError(
+            f'{key}={value} is a hub dataset id: reading it needs `datasets` (pip install "automodel[datasets]").'
+        )
+    from datasets import config as datasets_config
+    from datasets.naming import camelcase_to_snakecase
+
+    if not (datasets_config.HF_HUB_OFFLINE or getattr(datasets_config, "HF_DATASETS_OFFLINE", False)):
+        return
+    namespace, name = value.split("/")
+    cached = Path(datasets_config.HF_DATASETS_CACHE) / f"{namespace}___{camelcase_to_snakecase(name)}"
+    if not cached.is_dir():
+        raise ConfigError(
+            f"{key}={value} is a hub dataset id that is not in the datasets cache ({cached}) while offline "
+            "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): load it once online, or give a local path."
+        )
 
 
 def _check_model(config: RecipeConfig) -> None:
