@@ -179,7 +179,7 @@ def main() -> None:
     print("\n| corpus tokens | path | prepare s | start-up to 1st batch s | to 1st step s | RSS growth MiB "
           "| reader batches/s | trainer steps/s |")  # fmt: skip
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for size in (int(float(value)) for value in args.sizes.split(",")):
+    for size in (int(float(value)) for value in args.sizes.split(",") if value):
         corpus = _synthetic_jsonl(OUT / f"corpus-{size:.0e}.jsonl", tokenizer, size)
         prepared, prepare_seconds = _prepared(model, corpus, args.workers)
         contenders = [("prepared", True, prepared)]

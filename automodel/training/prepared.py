@@ -1,5 +1,6 @@
-"""Prepared data: a corpus tokenized once by ``automodel prepare-data`` into memory-mapped token files, read by every
-rank window by window, so that a rank's memory does not grow with the corpus.
+"""Prepared data: a corpus tokenized once by ``automodel prepare-data`` into flat token files, read by every rank
+window by window, so that a rank's memory does not grow with the corpus (the small per-document arrays are
+memory-mapped; token windows are read with ``os.pread``: see :class:`_File`).
 
 A prepared folder holds ``manifest.json`` and one or more parts (``part-00000``, ``part-00001`` ... each ``prepare-data``
 run that appends adds one), each with:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,11 +131,36 @@ def _check_part(folder: Path, part: dict[str, Any], itemsize: int, sft: bool) ->
 
 @dataclass
 class _Part:
-    tokens: np.memmap
+    tokens: _File
     offsets: np.memmap
-    loss_mask: np.memmap | None
+    loss_mask: _File | None
     first_target: np.memmap | None
     start: int  # the part's first token in the whole stream
+
+
+class _File:
+    """A token-sized array in a file, read by ``os.pread`` into a fresh buffer.
+
+    Not a memory map, for the token and loss-mask files: a mapped page read stays in the process's resident set,
+    and the kernel maps its neighbours along with it (fault-around, 64 KiB), so random windows over a long run would
+    grow every rank's RSS towards the size of the file. A read costs one system call and leaves nothing resident
+    (the page cache, shared by the ranks of a node, still serves it)."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.path, self.dtype = path, np.dtype(dtype)
+        self.length = path.stat().st_size // self.dtype.itemsize
+        self._descriptor: int | None = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if self._descriptor is None or self._pid != os.getpid():  # a forked process opens its own
+            self._descriptor, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        size = self.dtype.itemsize
+        data = os.pread(self._descriptor, (stop - start) * size, start * size)
+        return np.frombuffer(data, dtype=self.dtype)
 
 
 class PreparedCorpus:
@@ -151,9 +178,9 @@ class PreparedCorpus:
             sft = self.kind == "sft"
             self._parts.append(
                 _Part(
-                    np.memmap(folder / TOKENS, dtype=dtype, mode="r"),
+                    _File(folder / TOKENS, dtype),
                     np.memmap(folder / DOCUMENTS, dtype=np.int64, mode="r"),
-                    np.memmap(folder / LOSS_MASK, dtype=np.uint8, mode="r") if sft else None,
+                    _File(folder / LOSS_MASK, np.dtype(np.uint8)) if sft else None,
                     np.memmap(folder / FIRST_TARGET, dtype=np.int64, mode="r") if sft else None,
                     start,
                 )
@@ -173,7 +200,7 @@ class PreparedCorpus:
             part = self._parts[index]
             local = start - part.start
             end = min(stop - part.start, len(part.tokens))
-            pieces.append(np.asarray(part.tokens[local:end]))
+            pieces.append(part.tokens.read(local, end))
             start = part.start + end
             index += 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
@@ -183,8 +210,8 @@ class PreparedCorpus:
         part, local = self._locate(index)
         begin = int(part.offsets[local])
         end = min(int(part.offsets[local + 1]), begin + limit)
-        mask = None if part.loss_mask is None else np.asarray(part.loss_mask[begin:end])
-        return np.asarray(part.tokens[begin:end]), mask
+        mask = None if part.loss_mask is None else part.loss_mask.read(begin, end)
+        return part.tokens.read(begin, end), mask
 
     def document_lengths(self) -> np.ndarray:
         """Every document's token count (``int64``, one pass over the offsets)."""
