@@ -46,7 +46,7 @@ from pathlib import Path
 from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from _ranks import init_rank, run_ranks
 
-AUTOMODEL_OPTIONS = ("compile", "chunked")
+AUTOMODEL_OPTIONS = ("compile", "chunked", "always", "never", "noprefetch")
 
 # Per scenario: the model, the batch and the contenders compared in one run.
 SCENARIOS = {
@@ -97,7 +97,9 @@ def parse_contender(name: str) -> tuple[str, set[str]]:
     base, *options = name.split("+")
     unknown = set(options) - set(AUTOMODEL_OPTIONS) if base == "automodel" else set(options)
     if base not in ("floor", "automodel", "transformers") or unknown:
-        raise SystemExit(f"unknown contender {name!r}: floor, transformers, or automodel[+compile][+chunked]")
+        raise SystemExit(
+            f"unknown contender {name!r}: floor, transformers, or automodel[+compile][+chunked][+always|+never][+noprefetch]"
+        )
     return base, set(options)
 
 
@@ -130,11 +132,14 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
     base, options = parse_contender(contender)
     if base == "automodel":
         from automodel import MeshContext, NeMoAutoModelForCausalLM
+        from automodel.distributed import FSDP2Config
         from automodel.training.loop import train_step
         from automodel.training.loss import make_loss
         from automodel.training.optim import clip_grad_norm
 
-        context = MeshContext.build("fsdp2", compile="compile" in options)
+        policy = True if "always" in options else False if "never" in options else None
+        strategy = FSDP2Config(reshard_after_forward=policy, prefetch="noprefetch" not in options)
+        context = MeshContext.build(strategy, compile="compile" in options)
         model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context)
         loss_fn = make_loss("chunked" if "chunked" in options else "model", args["chunk"])
 
@@ -171,7 +176,18 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
             times.append(time.perf_counter() - start)
             cpus.append(cpu)
             peaks.append(peak_rss_bytes() - before)
-    results.put((rank, (statistics.median(times), statistics.median(cpus), max(peaks))))
+    profile = None
+    if args.get("profile"):
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        micro_batches = _batches(args, rank, world, model.config.vocab_size, 0)
+        dist.barrier()
+        with profiler(activities=[ProfilerActivity.CPU]) as recorded:
+            step_fn(micro_batches)
+            dist.barrier()
+        profile = {event.key: (event.self_cpu_time_total, event.count) for event in recorded.key_averages()}
+    results.put((rank, (statistics.median(times), statistics.median(cpus), max(peaks), profile)))
     dist.destroy_process_group()
 
 
@@ -185,8 +201,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the chunked loss")
-    parser.add_argument("--contenders", help="comma-separated: floor, transformers, automodel[+compile][+chunked]")
+    parser.add_argument(
+        "--contenders",
+        help="comma-separated: floor, transformers, automodel[+compile][+chunked][+always|+never][+noprefetch]",
+    )
     parser.add_argument("--dir", type=Path, help="where the random checkpoint is saved (once)")
+    parser.add_argument("--rounds", type=int, default=1, help="run the contenders this many times, interleaved")
+    parser.add_argument("--profile", action="store_true", help="also profile one step of each contender (rank 0)")
     options = parser.parse_args()
     scenario = SCENARIOS[options.scenario]
     args = dict(scenario["batch"], chunk=options.chunk)
@@ -200,16 +221,29 @@ def main() -> None:
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     directory = make_checkpoint(options.dir or tmp / f"automodel-train-bench-{options.scenario}", scenario["model"])
     tokens = args["global_batch"] * args["seq"]
-    rows = {}
-    for contender in contenders:
-        per_rank = run_ranks(_rank_main, options.nproc, contender, str(directory), args)
-        seconds, cpu, peak = (max(values) for values in zip(*per_rank, strict=True))
-        rows[contender] = {"seconds": seconds, "cpu": cpu, "peak": peak}
-        print(
-            f"{contender}: {seconds:.3f} s/step ({cpu:.3f} CPU s), {tokens / seconds:.0f} tokens/s, peak step growth "
-            f"{peak / 2**20:.0f} MiB",
-            flush=True,
-        )
+    args["profile"] = options.profile
+    measured: dict[str, list[tuple[float, float, float]]] = {contender: [] for contender in contenders}
+    profiles: dict[str, dict] = {}
+    for round_number in range(options.rounds):  # interleaved: each round runs every contender once
+        for contender in contenders:
+            per_rank = run_ranks(_rank_main, options.nproc, contender, str(directory), args)
+            seconds, cpu, peak = (max(values) for values in zip(*[row[:3] for row in per_rank], strict=True))
+            measured[contender].append((seconds, cpu, peak))
+            if per_rank[0][3] is not None:
+                profiles[contender] = per_rank[0][3]
+            print(
+                f"round {round_number + 1} {contender}: {seconds:.3f} s/step ({cpu:.3f} CPU s), "
+                f"{tokens / seconds:.0f} tokens/s, peak step growth {peak / 2**20:.0f} MiB",
+                flush=True,
+            )
+    rows = {
+        contender: {
+            "seconds": statistics.median(seconds for seconds, _, _ in runs),
+            "cpu": statistics.median(cpu for _, cpu, _ in runs),
+            "peak": max(peak for _, _, peak in runs),
+        }
+        for contender, runs in measured.items()
+    }
     print(
         f"\n{options.scenario}: {options.nproc} CPU ranks, {args['global_batch']}x{args['seq']} tokens per step, "
         f"micro batch {args['micro_batch']}, vocabulary {scenario['model']['vocab_size']}; worst rank, median step"
@@ -226,6 +260,14 @@ def main() -> None:
             f"{contender:<26} {row['seconds']:8.3f} {tokens / row['seconds']:10.0f} {ref['seconds'] / row['seconds']:12.2f} "
             f"{row['cpu']:8.3f} {ref['cpu'] / row['cpu']:12.2f} {row['peak'] / 2**20:9.0f} {row['peak'] / ref['peak']:12.2f}"
         )
+    for contender in rows:
+        if contender.startswith("automodel") and "transformers" in rows:
+            print(
+                f"{contender} vs transformers: tokens/s x {rows['transformers']['seconds'] / rows[contender]['seconds']:.2f}"
+                f", peak step memory x {rows[contender]['peak'] / rows['transformers']['peak']:.2f}"
+            )
+    if profiles:
+        _print_profile_differences(profiles)
     for option in AUTOMODEL_OPTIONS:
         if "automodel" in rows and f"automodel+{option}" in rows:
             plain, other = rows["automodel"], rows[f"automodel+{option}"]
@@ -233,6 +275,27 @@ def main() -> None:
                 f"automodel+{option} vs automodel: tokens/s x {plain['seconds'] / other['seconds']:.2f} (per CPU second "
                 f"x {plain['cpu'] / other['cpu']:.2f}), peak step memory x {other['peak'] / plain['peak']:.2f}"
             )
+
+
+def _print_profile_differences(profiles: dict[str, dict], top: int = 15) -> None:
+    """Rank 0's profiled step per contender: self CPU milliseconds by operator and record label, the largest
+    differences against the first contender."""
+    names = list(profiles)
+    first = profiles[names[0]]
+    keys = set().union(*(profile.keys() for profile in profiles.values()))
+
+    def ms(profile: dict, key: str) -> float:
+        return profile.get(key, (0, 0))[0] / 1000
+
+    spread = sorted(keys, key=lambda key: -max(abs(ms(p, key) - ms(first, key)) for p in profiles.values()))
+    print(f"\nprofiled step, rank 0, self CPU ms (calls); largest differences against {names[0]}:")
+    print(f"| operator or label | {' | '.join(names)} |")
+    print(f"| --- |{' ---: |' * len(names)}")
+    for key in spread[:top]:
+        cells = [f"{ms(p, key):.1f} ({p.get(key, (0, 0))[1]})" for p in profiles.values()]
+        print(f"| `{key}` | {' | '.join(cells)} |")
+    totals = [sum(value[0] for value in p.values()) / 1000 for p in profiles.values()]
+    print(f"| all | {' | '.join(f'{total:.1f}' for total in totals)} |")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,13 @@ class FSDP2Config:
         reduce_dtype: dtype gradients are reduced in (``torch.float32`` keeps bf16 training stable).
         output_dtype: dtype the root module's floating-point outputs are cast to.
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
-        reshard_after_forward: free unsharded parameters after forward (ZeRO-3, the default) or keep them (ZeRO-2).
+        reshard_after_forward: ``None`` (the default policy, torchtitan's): every unit frees its unsharded parameters
+            after forward but the last decoder layer and the output head, whose backward follows at once (their
+            unsharded size is held from forward to backward); ``True``: every unit (ZeRO-3); ``False``: none (ZeRO-2:
+            the whole model stays unsharded from forward to backward, one all-gather fewer per unit and micro batch).
+        prefetch: each decoder layer's forward starts the next layer's all-gather before it computes, and each
+            layer's backward the previous one's (explicit FSDP2 prefetch): transfers overlap computation, for one
+            more layer's unsharded parameters in flight.
     """
 
     name = "fsdp2"
@@ -34,7 +40,8 @@ class FSDP2Config:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cpu_offload: bool = False
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
+    prefetch: bool = True
 
     def mp_policy(self) -> MixedPrecisionPolicy | None:
         """The ``MixedPrecisionPolicy`` these settings describe, or ``None`` when mixed precision is off."""

@@ -119,14 +119,42 @@ def shard_default_units(
 ) -> nn.Module:
     """Shard the default FSDP units (``default_fsdp_units``) with the primitive ``shard``, then the root.
 
+    ``reshard_after_forward``: ``True`` reshards every unit after its forward (ZeRO-3), ``False`` none (ZeRO-2: the
+    whole model stays unsharded from forward to backward), ``None`` the default policy: every unit but the last
+    decoder layer and the output head (:func:`_kept_after_forward`). The root is never resharded after forward.
+
     A sidecar that only changes how each unit is sharded (e.g. dtype-uniform groups) passes its own primitive here
     and keeps the shared unit boundaries.
     """
-    for unit, keep_full_weight in default_fsdp_units(model):
-        reshard = False if keep_full_weight else reshard_after_forward
+    units = default_fsdp_units(model)
+    kept = _kept_after_forward(model, [unit for unit, _ in units]) if reshard_after_forward is None else set()
+    for unit, keep_full_weight in units:
+        reshard = not (keep_full_weight or unit in kept or reshard_after_forward is False)
         shard(unit, mesh=mesh, reshard_after_forward=reshard, **options)
     # The root's parameters (tied embeddings, final norm) are needed again right after forward for backward.
     return shard(model, mesh=mesh, reshard_after_forward=False, **options)
+
+
+def _kept_after_forward(model: nn.Module, units: list[nn.Module]) -> set[nn.Module]:
+    """The units the default policy (``reshard_after_forward=None``, torchtitan's) keeps unsharded after forward:
+    the last decoder layer and the output head, whose backward starts right after the forward ends, so resharding
+    them would only all-gather them again at once. Costs their unsharded size for the forward-to-backward span."""
+    layers = decoder_layers(model)
+    return {module for module in (layers[-1] if layers else None, output_embeddings(model)) if module in units}
+
+
+def prefetch_decoder_layers(model: nn.Module) -> int:
+    """Explicit prefetch between consecutive decoder layers that are FSDP units: each layer's forward issues the
+    next layer's all-gather before it computes, and each layer's backward the previous one's (``FSDPModule``'s
+    ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``, as torchtitan sets them), so the
+    transfer runs while the layer computes. Returns the number of layers set."""
+    layers = [layer for layer in decoder_layers(model) if isinstance(layer, FSDPModule)]
+    for index, layer in enumerate(layers):
+        if index + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[index + 1]])
+        if index > 0:
+            layer.set_modules_to_backward_prefetch([layers[index - 1]])
+    return len(layers) if len(layers) > 1 else 0
 
 
 def fully_shard_by_dtype(module: nn.Module, shard: ShardFn = fully_shard_default, **kwargs: Any) -> nn.Module:

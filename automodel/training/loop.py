@@ -84,10 +84,16 @@ def build_mesh_context(config: RecipeConfig) -> MeshContext:
 def mesh_arguments(layout: LayoutSection) -> dict[str, Any]:
     """The ``MeshContext.build`` keywords of a layout section (also what ``automodel plan`` simulates)."""
     strategy: str | FSDP2Config = layout.strategy
-    if layout.mixed_precision == "bf16":
-        if layout.strategy != "fsdp2":
-            raise ValueError("layout.mixed_precision=bf16 is implemented with FSDP2: set layout.strategy=fsdp2.")
-        strategy = FSDP2Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if layout.mixed_precision == "bf16" and layout.strategy != "fsdp2":
+        raise ValueError("layout.mixed_precision=bf16 is implemented with FSDP2: set layout.strategy=fsdp2.")
+    if layout.strategy == "fsdp2":
+        bf16 = layout.mixed_precision == "bf16"
+        strategy = FSDP2Config(
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+            reshard_after_forward={"default": None, "always": True, "never": False}[layout.reshard_after_forward],
+            prefetch=layout.prefetch,
+        )
     arguments = {
         "strategy": strategy,
         "dp_replicate_size": layout.dp_replicate_size,
@@ -215,9 +221,14 @@ def train_step(
     if isinstance(model, PipelinedModel):
         return _pipelined_train_step(model, micro_batches, context, loss_fn, num_items)
     total = torch.zeros((), device=device)
+    # ZeRO-2 (reshard_after_forward never): the parameters stay unsharded through the accumulation, gathered once.
+    keep_unsharded = getattr(context.strategy, "reshard_after_forward", None) is False
     for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
         if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            model.set_requires_gradient_sync(last)
+            if keep_unsharded:
+                model.set_reshard_after_backward(last)
         inputs = model_inputs(batch, context, device)
         loss = (loss_fn or ModelLoss())(model, inputs, num_items)
         loss.backward()
