@@ -15,6 +15,8 @@ worst step of the worst rank).
 Scenarios:
 
 - ``throughput`` (default): the 40 M Llama (vocabulary 8192), 8 x 256 tokens per step in micro batches of 2;
+- ``large``: a ~300 M Llama (hidden 1024, 20 layers, vocabulary 32000), 8 x 128 tokens per step in micro batches
+  of 1 (run it with ``--nproc 4``);
 - ``memory``: a tiny Llama with Llama 3's 128k vocabulary (hidden 128, 2 layers), one sequence of 2048 tokens per
   rank per step, where the logits (2048 x 128256 fp32 = 1 GB per sequence, and as much again for their gradient)
   dominate the step's memory.
@@ -62,6 +64,19 @@ SCENARIOS = {
         ),
         "batch": dict(global_batch=8, micro_batch=2, seq=256, warmup=2, steps=5),
         "contenders": "floor,automodel,automodel+compile,transformers",
+    },
+    "large": {
+        "model": dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=20,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=1024,
+        ),
+        "batch": dict(global_batch=8, micro_batch=1, seq=128, warmup=1, steps=3),
+        "contenders": "automodel,transformers",
     },
     "memory": {
         "model": dict(
@@ -294,6 +309,15 @@ def _print_profile_differences(profiles: dict[str, dict], top: int = 15) -> None
     for key in spread[:top]:
         cells = [f"{ms(p, key):.1f} ({p.get(key, (0, 0))[1]})" for p in profiles.values()]
         print(f"| `{key}` | {' | '.join(cells)} |")
+    for label, prefix in (
+        ("all FSDP all-gathers", "FSDP::all_gather ("),
+        ("all FSDP reductions", "FSDP::post_backward_reduce"),
+    ):
+        cells = []
+        for profile in profiles.values():
+            matched = [value for key, value in profile.items() if key.startswith(prefix)]
+            cells.append(f"{sum(v[0] for v in matched) / 1000:.1f} ({sum(v[1] for v in matched)})")
+        print(f"| {label} | {' | '.join(cells)} |")
     totals = [sum(value[0] for value in p.values()) / 1000 for p in profiles.values()]
     print(f"| all | {' | '.join(f'{total:.1f}' for total in totals)} |")
 
