@@ -166,6 +166,9 @@ def test_empty_sources_are_refused(model, tmp_path, capsys):
     assert _prepare(model, [tmp_path / "empty.jsonl"], tmp_path / "b") == 2
     assert "no documents with tokens to prepare (empty source)" in capsys.readouterr().err
     assert not (tmp_path / "b" / "manifest.json").exists() and not list((tmp_path / "b").glob("part-*"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{not json\n')
+    assert _prepare(model, [tmp_path / "bad.jsonl"], tmp_path / "c") == 2
+    assert f"'{tmp_path / 'bad.jsonl'}' line 2 is not valid JSON" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "index", "manifest"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,12 @@ def _load_hub_dataset(dataset_id: str, split: str, name: str | None, cache_dir: 
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    records = []
+    return [record for _, record in iter_jsonl(path)]
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` for each non-blank line of a JSONL file; a line that is not a JSON object is an
+    error naming the file and the line."""
     with path.open(encoding="utf-8") as file:
         for line_number, line in enumerate(file, start=1):
             if not line.strip():
@@ -158,8 +164,7 @@ def _read_jsonl(path: Path) -> list[dict]:
                 raise ValueError(f"{str(path)!r} line {line_number} is not valid JSON: {error}") from error
             if not isinstance(record, dict):
                 raise ValueError(f"{str(path)!r} line {line_number} is a {type(record).__name__}, not a JSON object")
-            records.append(record)
-    return records
+            yield line_number, record
 
 
 def _import_datasets():

@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
             append_eos=args.append_eos,
             trust_remote_code=args.trust_remote_code,
         )
-    except (PreparedDataError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError) as error:  # PreparedDataError, and a bad JSONL line
         print(f"automodel prepare-data: {error}", file=sys.stderr)
         return 2
     print(
@@ -252,17 +252,10 @@ def _documents(files: list[tuple[Path, str]], kind: str, text_key: str) -> Itera
 
 def _records(path: Path, file_format: str) -> Iterator[tuple[str, dict]]:
     if file_format == "jsonl":
-        with path.open(encoding="utf-8") as file:
-            for number, line in enumerate(file, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise PreparedDataError(f"{path} line {number} is not valid JSON: {error}") from None
-                if not isinstance(record, dict):
-                    raise PreparedDataError(f"{path} line {number} is a {type(record).__name__}, not a JSON object.")
-                yield f"{path} line {number}", record
+        from .data import iter_jsonl
+
+        for number, record in iter_jsonl(path):
+            yield f"{path} line {number}", record
         return
     import pyarrow as pa
     import pyarrow.parquet as pq
