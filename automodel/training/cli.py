@@ -10,6 +10,11 @@ relaunches itself with torchrun: ``--standalone`` on one node, or with the rende
 (``--nnodes``, ``--node-rank``, ``--rdzv-backend`` / ``--rdzv-endpoint`` / ``--rdzv-id``, ``--master-addr`` /
 ``--master-port``) on several. ``--print-config`` prints the resolved config.
 
+The training processes' output passes through the command to the terminal and to a log file in ``log.dir``; when
+a rank fails, the command ends with one screen saying which rank, how, and where the log is
+(``automodel.training.run_log``). ``automodel prepare-data`` tokenizes a corpus once for training at scale
+(``automodel.training.prepare_data``).
+
 A SIGTERM or SIGUSR1 to the command is passed on to the training processes, which save a checkpoint after their
 current step and end; the command then exits with status 0 (see ``automodel.training.preemption``). Ctrl-C does the
 same and exits with status 130; a second Ctrl-C stops at once without saving.

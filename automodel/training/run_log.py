@@ -35,6 +35,7 @@ FAILURE_DIR_VARIABLE = "AUTOMODEL_FAILURE_DIR"
 _FRAMES_SHOWN = 4
 _MESSAGE_LINES = 6
 _OTHER_FAILURES_SHOWN = 3
+_DRAIN_SECONDS = 60.0
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _LIBRARY_DIRS = tuple(
     Path(path).resolve()
@@ -126,6 +127,8 @@ class RunLog:
         # A progress bar redraws its line after "\r": the file keeps what the line ends as.
         text = "".join(line.rsplit(b"\r", 1)[-1].decode(errors="replace") + "\n" for line in lines)
         with self._lock:
+            if self._file.closed:  # a pump still running after finish() gave up waiting for it
+                return
             self._file.write(text)
             self._file.flush()
 
@@ -138,7 +141,9 @@ class RunLog:
         the file): why the run failed, on one screen, and where the log is. Nothing to say for a run that succeeded
         or was stopped by a signal it was sent (``signalled``) without a failure."""
         for thread in self._threads:
-            thread.join()
+            # The pipes close when torchrun's processes have all ended; a worker that outlives a killed torchrun
+            # keeps its end open, and the command does not wait for it past this.
+            thread.join(timeout=_DRAIN_SECONDS)
         failures = self._read_failures()
         shutil.rmtree(self.failures, ignore_errors=True)
         if failures:
@@ -152,7 +157,8 @@ class RunLog:
         else:
             lines = [f"automodel {recipe}: log in {self.path}"]
         self._write([line.encode() for line in lines])
-        self._file.close()
+        with self._lock:
+            self._file.close()
         return lines
 
     def _summary(self, failures: list[_Failure], recipe: str) -> list[str]:
