@@ -230,12 +230,12 @@ def test_a_validation_pass_leaves_the_training_steps_after_it_unchanged(ranks2, 
 
 
 def test_fsdp2_reshard_policies_and_prefetch_train_bitwise_alike(ranks2, chat_checkpoint, tmp_path):
-    """layout.reshard_after_forward default / always / never (ZeRO-2: also unsharded through the gradient
+    """layout.reshard_after_forward always / all_but_last / never (ZeRO-2: also unsharded through the gradient
     accumulation) and layout.prefetch change when parameters are gathered, never what is computed."""
     config = _config(tmp_path, chat_checkpoint)
     overrides = ["train.max_steps=4", "train.micro_batch_size=1"]
     reference = ranks2.run(train, config, overrides)[0]["losses"]
-    for policy in ("always", "never"):
+    for policy in ("all_but_last", "never"):
         for prefetch in ("true", "false"):
             layout = [f"layout.reshard_after_forward={policy}", f"layout.prefetch={prefetch}"]
             assert ranks2.run(train, config, overrides + layout)[0]["losses"] == reference, (policy, prefetch)

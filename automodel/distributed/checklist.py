@@ -280,6 +280,6 @@ def _describe_fsdp_units(model: nn.Module, experts: ExpertGroups, context: MeshC
     line = " + ".join([*parts, "root"]) + f" over {over}"
     if experts:
         line = f"{len(experts)} experts over ep_shard={context.size('ep_shard')}; {line}"
-    policy = {None: "default (all but the last layer and the head)", True: "always", False: "never"}
+    policy = {None: "all but the last layer and the head", True: "always", False: "never"}
     line += f"; reshard after forward: {policy[context.strategy.reshard_after_forward]}"
     return f"FSDP2 units: {line}" + ("; layers prefetch" if context.strategy.prefetch else "")

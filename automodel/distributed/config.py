@@ -26,10 +26,13 @@ class FSDP2Config:
         reduce_dtype: dtype gradients are reduced in (``torch.float32`` keeps bf16 training stable).
         output_dtype: dtype the root module's floating-point outputs are cast to.
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
-        reshard_after_forward: ``None`` (the default policy, torchtitan's): every unit frees its unsharded parameters
-            after forward but the last decoder layer and the output head, whose backward follows at once (their
-            unsharded size is held from forward to backward); ``True``: every unit (ZeRO-3); ``False``: none (ZeRO-2:
-            the whole model stays unsharded from forward to backward, one all-gather fewer per unit and micro batch).
+        reshard_after_forward: ``True`` (the default): every unit frees its unsharded parameters after forward
+            (ZeRO-3); ``None``: every unit but the last decoder layer and the output head, whose backward follows at
+            once (torchtitan's policy: their unsharded size is held from forward to backward, and after a forward
+            without a backward, an evaluation, they stay unsharded until the next backward or ``reshard()``, so
+            ``named_parameters()`` then returns their unsharded tensors); ``False``: none (ZeRO-2: the whole model
+            stays unsharded from forward to backward and through gradient accumulation, one all-gather per unit per
+            step).
         prefetch: each decoder layer's forward starts the next layer's all-gather before it computes, and each
             layer's backward the previous one's (explicit FSDP2 prefetch): transfers overlap computation, for one
             more layer's unsharded parameters in flight.
@@ -40,7 +43,7 @@ class FSDP2Config:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cpu_offload: bool = False
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool | None = True
     prefetch: bool = True
 
     def mp_policy(self) -> MixedPrecisionPolicy | None:

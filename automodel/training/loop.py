@@ -91,7 +91,7 @@ def mesh_arguments(layout: LayoutSection) -> dict[str, Any]:
         strategy = FSDP2Config(
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
-            reshard_after_forward={"default": None, "always": True, "never": False}[layout.reshard_after_forward],
+            reshard_after_forward={"all_but_last": None, "always": True, "never": False}[layout.reshard_after_forward],
             prefetch=layout.prefetch,
         )
     arguments = {
