@@ -91,6 +91,7 @@ class RunLog:
         self._file = self.path.open("w", encoding="utf-8", errors="replace")
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._failed = False
 
     def environment(self) -> dict[str, str]:
         """What the training processes need: where to report a failure, and unbuffered output (the step lines reach
@@ -133,8 +134,9 @@ class RunLog:
             self._file.flush()
 
     def failed(self) -> bool:
-        """Whether a training process has reported a failure."""
-        return any(self.failures.iterdir())
+        """Whether a training process has reported a failure (the folder is listed until one has)."""
+        self._failed = self._failed or any(self.failures.iterdir())
+        return self._failed
 
     def finish(self, status: int, recipe: str, *, signalled: bool = False) -> list[str]:
         """Wait for the pumps to drain; the lines to print now that torchrun ended with ``status`` (also written to
