@@ -4,7 +4,7 @@ blocks, with the chunked loss) vs a plain AdamW loop over transformers' own FSDP
     python benchmarks/train.py --nproc 2                      # throughput, with and without layout.compile
     python benchmarks/train.py --nproc 2 --scenario memory    # peak step memory, with and without the chunked loss
 
-A random Llama (about 40 M parameters) is saved once. Every contender starts N fresh gloo ranks, loads it, and runs
+A random Llama (32 M parameters; the large one 302 M) is saved once. Every contender starts N fresh gloo ranks, loads it, and runs
 ``--warmup`` + ``--steps`` optimizer steps on the same random token batches: ``--global-batch`` sequences of
 ``--seq`` tokens per step, ``--micro-batch`` per forward (gradient accumulation), gradient clipping at 1.0, AdamW.
 Reported: global tokens/s of the median step and the ratio to the floor, the step's CPU seconds (user + system, the
@@ -14,7 +14,7 @@ worst step of the worst rank).
 
 Scenarios:
 
-- ``throughput`` (default): the 40 M Llama (vocabulary 8192), 8 x 256 tokens per step in micro batches of 2;
+- ``throughput`` (default): the 32 M Llama (vocabulary 8192), 8 x 256 tokens per step in micro batches of 2;
 - ``large``: a ~300 M Llama (hidden 1024, 20 layers, vocabulary 32000), 8 x 128 tokens per step in micro batches
   of 1 (run it with ``--nproc 4``);
 - ``memory``: a tiny Llama with Llama 3's 128k vocabulary (hidden 128, 2 layers), one sequence of 2048 tokens per

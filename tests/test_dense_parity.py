@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cases.dense import dense_parity, replicated_layers_parity, sequence_parallel_is_active
+from tests.cases.dense import dense_parity, replicated_layers_parity, reshard_policy_states, sequence_parallel_is_active
+from tests.tiny_models import tiny_llama_config
 
 TOLERANCE = 1e-5
 
@@ -65,3 +66,24 @@ def test_layers_outside_the_tp_plan_run_replicated_under_sequence_parallelism(ra
     """Selective checkpointing replays a block's ops one by one: the swap of replicas to local tensors must run
     inside the checkpoint in forward as in the recomputation (it once ran outside in forward only: a backward error)."""
     _assert_parity(ranks2.run(replicated_layers_parity, activation_checkpointing))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("policy", [None, True, False], ids=["all_but_last", "always", "never"])
+def test_reshard_policy_holds_what_it_states_and_nothing_after_a_forward_without_backward(ranks2, policy):
+    """Between a training forward and its backward the policy's units stay unsharded (always: the ones Llama's
+    transformers FSDP plan marks ``keep_full_weight``, the final norm and the head; the default, torchtitan's: also the
+    last layer; never: every unit); after a forward no backward can follow (under
+    no_grad, or with every parameter frozen) none does, so ``named_parameters()`` returns shards; parity holds."""
+    last = f"model.layers.{tiny_llama_config().num_hidden_layers - 1}"
+    layers = [f"model.layers.{index}" for index in range(tiny_llama_config().num_hidden_layers)]
+    kept = {
+        None: [last, "lm_head", "model.norm"],
+        True: ["lm_head", "model.norm"],
+        False: [*layers, "model.embed_tokens", "lm_head", "model.norm"],
+    }[policy]
+    for result in ranks2.run(reshard_policy_states, policy):
+        assert result["after_no_grad"] == [] and result["after_frozen"] == [], result
+        assert result["before_backward"] == sorted(kept), result
+        assert result["after_backward"] == [], result
+    _assert_parity(ranks2.run(reshard_policy_states, policy))

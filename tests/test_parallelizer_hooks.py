@@ -177,7 +177,7 @@ def test_megatron_fsdp_with_context_parallel_is_refused_at_build(ranks2):
                 "TP over tp=2 (plan: 9 rules from the model)",
                 "AC full on 4 modules of 2 blocks",
                 "FSDP2 units: 2 layers + embeddings + LlamaRMSNorm + head + root over dp_shard_cp=2; reshard after "
-                "forward: always; layers prefetch",
+                "forward: all but the last layer and the head; layers prefetch",
             ],
         ),
         (
@@ -189,7 +189,8 @@ def test_megatron_fsdp_with_context_parallel_is_refused_at_build(ranks2):
                 "EP over ep=2: 2 experts modules",
                 "AC selective on 4 modules of 2 blocks",
                 "FSDP2 units: 2 experts over ep_shard=2; 2 layers + embeddings + MixtralRMSNorm + head + root over "
-                "dp_shard_cp=2; reshard after forward: always; layers prefetch",
+                "dp_shard_cp=2; reshard after forward: all but the last layer and the head; "
+                "layers prefetch",
             ],
         ),
         (

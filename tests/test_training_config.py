@@ -53,6 +53,7 @@ def test_yaml_and_overrides_give_typed_sections(config_file):
         ("train.micro_batch_size=3", "must be a multiple of train.micro_batch_size=3"),
         ("layout.strategy=zero3", "layout.strategy='zero3' is not one of"),
         ("layout.activation_checkpointing=partial", "is not one of"),
+        ("layout.reshard_after_forward=sometimes", "layout.reshard_after_forward='sometimes' is not one of"),
         ("data.packing=maybe", "data.packing='maybe' must be true or false"),
         ("model.path=", "model.path"),
         ("checkpoint.dir=null", "checkpoint.every_steps is set but checkpoint.dir is not"),
@@ -65,6 +66,20 @@ def test_bad_keys_and_values_name_the_key(config_file, override, message):
     with pytest.raises(ConfigError) as error:
         load_config(config_file, [override])
     assert message in str(error.value)
+
+
+def test_reshard_policy_names_map_to_fsdp2_config(config_file):
+    """torchtitan's names: ``default`` (also spelled ``all_but_last``) is the default, then ``always`` and ``never``."""
+    from automodel.training.loop import mesh_arguments
+
+    def strategy(*overrides):
+        return mesh_arguments(load_config(config_file, ["layout.strategy=fsdp2", *overrides]).layout)["strategy"]
+
+    assert load_config(config_file, []).layout.reshard_after_forward == "default"
+    assert strategy().reshard_after_forward is None
+    assert strategy("layout.reshard_after_forward=all_but_last").reshard_after_forward is None
+    assert strategy("layout.reshard_after_forward=always").reshard_after_forward is True
+    assert strategy("layout.reshard_after_forward=never").reshard_after_forward is False
 
 
 def test_recipe_must_match_the_command(config_file):

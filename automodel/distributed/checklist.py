@@ -27,7 +27,13 @@ from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
 from .derived_tp_plan import DERIVED_SOURCE
 from .expert_parallel import apply_expert_parallel, drop_expert_rules, shard_experts, validate_experts
-from .fsdp import fully_shard_default, prefetch_decoder_layers, shard_default_units, unshard_for_outside_calls
+from .fsdp import (
+    fully_shard_default,
+    prefetch_decoder_layers,
+    reshard_after_gradless_forward,
+    shard_default_units,
+    unshard_for_outside_calls,
+)
 from .hook_policy import overrides
 from .megatron_fsdp import apply_megatron_fsdp
 from .mesh import MeshContext
@@ -246,6 +252,7 @@ def shard_step(
                 model, fully_shard_default, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward, **options
             )
     unshard_for_outside_calls(model)
+    reshard_after_gradless_forward(model)
     if strategy.prefetch:
         prefetch_decoder_layers(model)
     return model, _describe_fsdp_units(model, experts, context, fsdp_mesh)

@@ -26,13 +26,13 @@ class FSDP2Config:
         reduce_dtype: dtype gradients are reduced in (``torch.float32`` keeps bf16 training stable).
         output_dtype: dtype the root module's floating-point outputs are cast to.
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
-        reshard_after_forward: ``True`` (the default): every unit frees its unsharded parameters after forward
-            (ZeRO-3); ``None``: every unit but the last decoder layer and the output head, whose backward follows at
-            once (torchtitan's policy: their unsharded size is held from forward to backward, and after a forward
-            without a backward, an evaluation, they stay unsharded until the next backward or ``reshard()``, so
-            ``named_parameters()`` then returns their unsharded tensors); ``False``: none (ZeRO-2: the whole model
-            stays unsharded from forward to backward and through gradient accumulation, one all-gather per unit per
-            step).
+        reshard_after_forward: ``None`` (the default, torchtitan's policy): every unit frees its unsharded
+            parameters after forward but the last decoder layer and the output head, whose backward follows at once,
+            so their unsharded size is held from forward to backward instead of all-gathering them again at once;
+            ``True``: every unit (ZeRO-3); ``False``: none (ZeRO-2: the whole model stays unsharded from forward to
+            backward and through gradient accumulation, one all-gather per unit per step). Whatever the policy, a
+            forward no backward can follow (under ``torch.no_grad()``, or with no output needing a gradient) reshards
+            every unit at its end.
         prefetch: each decoder layer's forward starts the next layer's all-gather before it computes, and each
             layer's backward the previous one's (explicit FSDP2 prefetch): transfers overlap computation, for one
             more layer's unsharded parameters in flight.
@@ -43,7 +43,7 @@ class FSDP2Config:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cpu_offload: bool = False
-    reshard_after_forward: bool | None = True
+    reshard_after_forward: bool | None = None
     prefetch: bool = True
 
     def mp_policy(self) -> MixedPrecisionPolicy | None:

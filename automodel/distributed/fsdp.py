@@ -23,6 +23,7 @@ __all__ = [
     "fsdp_shard_dim",
     "fully_shard_by_dtype",
     "fully_shard_default",
+    "reshard_after_gradless_forward",
     "shard_default_units",
     "unshard_for_outside_calls",
 ]
@@ -210,6 +211,37 @@ def reshard_all(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def reshard_after_gradless_forward(model: nn.Module) -> bool:
+    """Make every forward of ``model`` that no backward can follow reshard all its FSDP2 units at its end.
+
+    The units that do not reshard after forward (the root, torchtitan's kept last layer and head,
+    ``keep_full_weight`` units) wait for their backward to reshard them. After a forward under ``torch.no_grad()``
+    or ``inference_mode`` (an evaluation, a check, ``generate``), or one whose outputs need no gradient, no backward
+    comes: they would stay unsharded, holding their full size, ``named_parameters()`` would return their unsharded
+    tensors instead of the shards, and the next step would start from them instead of a fresh gather. FSDP2 has no
+    such rule of its own, so a forward hook (run after FSDP2's own post-forward) reshards every unit then. Returns
+    whether the hook was installed (``model`` holds FSDP2 units)."""
+    if not any(isinstance(module, FSDPModule) for module in model.modules()):
+        return False
+    model.register_forward_hook(_reshard_unless_backward_follows)
+    return True
+
+
+def _reshard_unless_backward_follows(model: nn.Module, args: Any, output: Any) -> None:
+    if not (torch.is_grad_enabled() and _needs_gradient(output)):
+        reshard_all(model)
+
+
+def _needs_gradient(output: Any) -> bool:
+    """Whether a tensor in ``output`` (a tensor, or tuples, lists and dicts of them: a ``ModelOutput`` is a dict)
+    requires a gradient."""
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad
+    if isinstance(output, dict):
+        output = list(output.values())
+    return isinstance(output, tuple | list) and any(_needs_gradient(item) for item in output)
 
 
 def unshard_for_outside_calls(model: nn.Module) -> int:

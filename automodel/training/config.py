@@ -65,6 +65,10 @@ class ModelSection:
     tiny_if_missing: bool = False
 
 
+#: ``layout.reshard_after_forward`` -> ``FSDP2Config.reshard_after_forward``.
+RESHARD_POLICIES: dict[str, bool | None] = {"default": None, "all_but_last": None, "always": True, "never": False}
+
+
 @dataclass(frozen=True)
 class LayoutSection:
     """The ``MeshContext.build`` arguments; ``mixed_precision: bf16`` computes in bf16 with fp32 gradient reduction."""
@@ -77,10 +81,10 @@ class LayoutSection:
     sequence_parallel: bool = False
     activation_checkpointing: Literal[False, True, "full", "selective"] = False
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
-    # FSDP2: which units free their unsharded parameters after forward: always (ZeRO-3), all_but_last (torchtitan's:
-    # not the last decoder layer and the head) or never (ZeRO-2); prefetch: the next layer's all-gather starts before
-    # a layer computes.
-    reshard_after_forward: Literal["always", "all_but_last", "never"] = "always"
+    # FSDP2: which units free their unsharded parameters after forward: default / all_but_last (torchtitan's "default":
+    # all but the last decoder layer and the head), always (ZeRO-3) or never (ZeRO-2); prefetch: the next layer's
+    # all-gather starts before a layer computes.
+    reshard_after_forward: Literal["default", "all_but_last", "always", "never"] = "default"
     prefetch: bool = True
     # torch.compile each decoder block (after TP and activation checkpointing, before FSDP2); not with EP or
     # Megatron-FSDP.

@@ -28,7 +28,7 @@ KEY_MEANINGS = {
     "layout.activation_checkpointing": "false, true / full, or selective: recompute activations in the backward",
     "layout.mixed_precision": "fp32, or bf16: FSDP2 computes in bf16 and reduces gradients in fp32",
     "layout.compile": "torch.compile each decoder block",
-    "layout.reshard_after_forward": "FSDP2: always (ZeRO-3), all_but_last (not the last layer, the head), or never",
+    "layout.reshard_after_forward": "FSDP2: default / all_but_last (not the last layer, the head), always (ZeRO-3) or never (ZeRO-2)",
     "layout.prefetch": "FSDP2: start the next layer's all-gather before a layer computes (forward and backward)",
     "layout.pp_size": "pipeline parallelism: stage groups of ranks (the outermost axis)",
     "layout.pp_schedule": "gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble or zbv",

@@ -29,7 +29,14 @@ from automodel.loading.pipeline import transformers_model
 
 from .batches import DistributedBatchLoader, PrefetchingLoader, joined_batch
 from .checkpoint import Checkpointer, TrainerState, latest_checkpoint, load_checkpoint
-from .config import ConfigError, LayoutSection, RecipeConfig, pipeline_microbatches, validate_vision_language
+from .config import (
+    RESHARD_POLICIES,
+    ConfigError,
+    LayoutSection,
+    RecipeConfig,
+    pipeline_microbatches,
+    validate_vision_language,
+)
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
 from .loss import ChunkedCrossEntropy, LossFunction, ModelLoss, make_loss
@@ -91,7 +98,7 @@ def mesh_arguments(layout: LayoutSection) -> dict[str, Any]:
         strategy = FSDP2Config(
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
-            reshard_after_forward={"all_but_last": None, "always": True, "never": False}[layout.reshard_after_forward],
+            reshard_after_forward=RESHARD_POLICIES[layout.reshard_after_forward],
             prefetch=layout.prefetch,
         )
     arguments = {

@@ -63,3 +63,45 @@ def replicated_layers_parity(activation_checkpointing: Any) -> dict[str, Any]:
 def context_tp_size() -> int:
     """All ranks on the TP axis."""
     return dist.get_world_size()
+
+
+def reshard_policy_states(policy: bool | None) -> dict[str, Any]:
+    """Which FSDP2 units hold unsharded parameters after a forward under ``no_grad``, after a forward whose outputs
+    need no gradient, and between a training forward and its backward, under ``reshard_after_forward=policy``; then
+    the parity of a training step taken after those forwards."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from automodel.distributed import FSDP2Config
+
+    def unsharded() -> list[str]:
+        """The units (by name, the root as ``"root"``) holding an unsharded parameter."""
+        units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+        owners = set()
+        for name, param in model.named_parameters():
+            if not isinstance(param, DTensor):
+                owner = max((unit for unit in units if not unit or name.startswith(f"{unit}.")), key=len)
+                owners.add(owner or "root")
+        return sorted(owners)
+
+    context = MeshContext.build(FSDP2Config(reshard_after_forward=policy))
+    reference = build_model(tiny_llama_config())
+    model = ModelParallelizer().parallelize(copy.deepcopy(reference), context)
+    batch = token_batch()
+    result: dict[str, Any] = {}
+    with torch.no_grad():
+        model(batch)
+    result["after_no_grad"] = unsharded()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model(batch)
+    result["after_frozen"] = unsharded()
+    for param in model.parameters():
+        param.requires_grad_(True)
+    loss = model(batch, labels=batch).loss
+    result["before_backward"] = unsharded()
+    loss.backward()
+    result["after_backward"] = unsharded()
+    model.zero_grad(set_to_none=True)
+    result.update(compare_with_reference(reference, model, context, batch))
+    return result
