@@ -32,6 +32,9 @@ Contenders:
   ``torch.compile``d; inductor compiles during the warm-up steps);
 - ``automodel+chunked``: the same with ``train.loss: chunked`` (``ChunkedCrossEntropy``, 1024-token chunks by
   default: ``--chunk``);
+- ``automodel+always`` / ``+never`` / ``+noprefetch`` / ``+microsync``: the reshard policy ZeRO-3 / ZeRO-2, without
+  the explicit layer prefetch, the gradients reduced after every micro batch (``train.grad_sync: micro_batch``)
+  instead of once per step;
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=N))``
   with the plain loop (``loss / accumulation``, backward per micro batch, ``torch.nn.utils.clip_grad_norm_``, AdamW).
   transformers' ``Trainer`` is no peer here: its FSDP2 falls back to DDP on CPU.
@@ -48,7 +51,7 @@ from pathlib import Path
 from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from _ranks import init_rank, run_ranks
 
-AUTOMODEL_OPTIONS = ("compile", "chunked", "always", "never", "noprefetch")
+AUTOMODEL_OPTIONS = ("compile", "chunked", "always", "never", "noprefetch", "microsync")
 
 # Per scenario: the model, the batch and the contenders compared in one run.
 SCENARIOS = {
@@ -113,7 +116,7 @@ def parse_contender(name: str) -> tuple[str, set[str]]:
     unknown = set(options) - set(AUTOMODEL_OPTIONS) if base == "automodel" else set(options)
     if base not in ("floor", "automodel", "transformers") or unknown:
         raise SystemExit(
-            f"unknown contender {name!r}: floor, transformers, or automodel[+compile][+chunked][+always|+never][+noprefetch]"
+            f"unknown contender {name!r}: floor, transformers, or automodel[+compile][+chunked][+always|+never][+noprefetch][+microsync]"
         )
     return base, set(options)
 
@@ -157,9 +160,10 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
         context = MeshContext.build(strategy, compile="compile" in options)
         model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context)
         loss_fn = make_loss("chunked" if "chunked" in options else "model", args["chunk"])
+        grad_sync = "micro_batch" if "microsync" in options else "step"
 
         def step_fn(micro_batches):
-            train_step(model, micro_batches, context, loss_fn)
+            train_step(model, micro_batches, context, loss_fn, grad_sync=grad_sync)
             clip_grad_norm(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -218,7 +222,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the chunked loss")
     parser.add_argument(
         "--contenders",
-        help="comma-separated: floor, transformers, automodel[+compile][+chunked][+always|+never][+noprefetch]",
+        help="comma-separated: floor, transformers, automodel[+compile][+chunked][+always|+never][+noprefetch][+microsync]",
     )
     parser.add_argument("--dir", type=Path, help="where the random checkpoint is saved (once)")
     parser.add_argument("--rounds", type=int, default=1, help="run the contenders this many times, interleaved")

@@ -8,6 +8,8 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
+from automodel.distributed import FSDP2Config
+from tests.cases.loss import grad_sync_parity
 from tests.cases.training import (
     CHAT_DATA,
     REPO,
@@ -227,6 +229,18 @@ def test_a_validation_pass_leaves_the_training_steps_after_it_unchanged(ranks2, 
     assert evaluated["losses"] == alone["losses"]
     tensor_parallel = ranks2.run(train, config, [*overrides, "layout.tp_size=2"])[0]  # no FSDP units at all
     assert max(abs(a - b) for a, b in zip(alone["losses"], tensor_parallel["losses"], strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("policy", [None, True, False], ids=["default", "always", "never"])
+def test_grad_sync_per_micro_batch_gives_the_gradients_of_one_reduction_per_step(ranks2, policy):
+    """train.grad_sync: micro_batch reduces after every micro batch (FSDP2 holds only sharded gradients between them)
+    and computes the gradients of the default, which reduces once after the last micro batch."""
+    layout = {"strategy": FSDP2Config(reshard_after_forward=policy)}
+    for rank, result in enumerate(ranks2.run(grad_sync_parity, layout)):
+        assert result["micro_batches"] == 2, result
+        assert result["flags"] == {"step": [False, True], "micro_batch": [True, True]}, f"rank {rank}: {result}"
+        assert result["loss_difference"] <= 1e-6 and result["grad"] <= 1e-6, f"rank {rank}: {result}"
+        assert result["grad_norm"] > 0, result
 
 
 def test_fsdp2_reshard_policies_and_prefetch_train_bitwise_alike(ranks2, chat_checkpoint, tmp_path):

@@ -54,6 +54,7 @@ def test_yaml_and_overrides_give_typed_sections(config_file):
         ("layout.strategy=zero3", "layout.strategy='zero3' is not one of"),
         ("layout.activation_checkpointing=partial", "is not one of"),
         ("layout.reshard_after_forward=sometimes", "layout.reshard_after_forward='sometimes' is not one of"),
+        ("train.grad_sync=sometimes", "train.grad_sync='sometimes' is not one of"),
         ("data.packing=maybe", "data.packing='maybe' must be true or false"),
         ("model.path=", "model.path"),
         ("checkpoint.dir=null", "checkpoint.every_steps is set but checkpoint.dir is not"),

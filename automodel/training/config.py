@@ -150,6 +150,10 @@ class TrainSection:
     # "chunked": the head and cross-entropy over chunks of loss_chunk_size tokens, never the full logits.
     loss: Literal["model", "chunked"] = "model"
     loss_chunk_size: int = 1024
+    # With gradient accumulation under FSDP2: "step" reduces the gradients once, after the last micro batch (half the
+    # collectives; a rank holds its units' unsharded gradients through the accumulation, up to the whole model's);
+    # "micro_batch" reduces after every micro batch (the sharded gradients only; one reduction per micro batch).
+    grad_sync: Literal["step", "micro_batch"] = "step"
     # With layout.pp_size > 1: the microbatches the pipeline schedule runs per step (each rank's share of the global
     # batch split into equal parts; null: one per train.micro_batch_size rows, the gradient accumulation steps).
     pp_microbatches: int | None = None

@@ -59,6 +59,7 @@ KEY_MEANINGS = {
     "train.peak_tflops": "one device's peak TFLOP/s: the step line then shows MFU",
     "train.loss": "model (the model's own loss) or chunked (never the full logits)",
     "train.loss_chunk_size": "tokens per chunk of train.loss=chunked",
+    "train.grad_sync": "FSDP2 gradient reduction: step (after the last micro batch) or micro_batch (less memory)",
     "train.pp_microbatches": "with layout.pp_size > 1: microbatches per step (null: the accumulation steps)",
     "train.hang_timeout_s": "end a run whose step has not completed in this many seconds, with stacks (0: off)",
     "lora.rank": "LoRA adapter rank (0: train the whole model)",

@@ -11,7 +11,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -210,6 +210,8 @@ def train_step(
     micro_batches: list[dict[str, torch.Tensor]],
     context: MeshContext,
     loss_fn: LossFunction | None = None,
+    *,
+    grad_sync: Literal["step", "micro_batch"] = "step",
 ) -> torch.Tensor:
     """Forward and backward over this rank's micro batches; returns the step's global mean token loss.
 
@@ -219,7 +221,13 @@ def train_step(
     Each micro batch's loss is its token-loss sum divided by (the step's valid tokens over all data-parallel ranks /
     the ranks gradients are averaged over), so the averaged gradient is the mean over every token of the global
     batch, however tokens fall into micro batches, ranks and context-parallel shards.
+
+    ``grad_sync`` (FSDP2, ``train.grad_sync``): ``"step"`` reduces the gradients once, after the last micro batch
+    (FSDP2 then holds each unit's unsharded gradient through the accumulation); ``"micro_batch"`` after every micro
+    batch, so only the sharded gradients persist between micro batches.
     """
+    if grad_sync not in ("step", "micro_batch"):
+        raise ValueError(f"grad_sync={grad_sync!r}: use 'step' or 'micro_batch'.")
     device = next(model.parameters()).device
     valid = torch.stack([_valid_targets(batch["labels"]) for batch in micro_batches]).sum().float().to(device)
     dist.all_reduce(valid, group=context.mesh("dp").get_group())  # on the device: NCCL reduces device tensors only
@@ -233,7 +241,7 @@ def train_step(
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(last)
+            model.set_requires_gradient_sync(last or grad_sync == "micro_batch")
             if keep_unsharded:
                 model.set_reshard_after_backward(last)
         inputs = model_inputs(batch, context, device)
@@ -367,7 +375,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
         for step in bar:
             start = time.perf_counter()
             micro_batches = loader.next_global_batch()
-            loss = train_step(model, micro_batches, context, loss_fn)
+            loss = train_step(model, micro_batches, context, loss_fn, grad_sync=train.grad_sync)
             norm = clip_grad_norm(model.parameters(), train.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

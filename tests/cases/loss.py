@@ -79,3 +79,40 @@ def chunked_loss_parity(layout: dict[str, Any], architecture: str, **config: Any
         "logits_shape": tuple(logits.shape),
         "input_shape": tuple(batches[0]["input_ids"].shape),
     }
+
+
+def grad_sync_parity(layout: dict[str, Any], architecture: str = "llama") -> dict[str, Any]:
+    """One ``train_step`` over two micro batches with ``grad_sync="step"`` and with ``"micro_batch"`` on two
+    identical parallelized models: the loss and the largest gradient difference, and the gradient-sync flags each
+    set before each micro batch (FSDP2's ``set_requires_gradient_sync``)."""
+    context = MeshContext.build(**layout)
+    models = [
+        NeMoAutoModelForCausalLM.from_config(tiny_config(architecture), mesh_context=context, seed=3) for _ in range(2)
+    ]
+    flags: dict[str, list[bool]] = {}
+    batches = packed_micro_batches(context)
+    losses = {}
+    for model, grad_sync in zip(models, ("step", "micro_batch"), strict=True):
+        model.train()
+        model.set_requires_gradient_sync = _recording(model.set_requires_gradient_sync, flags.setdefault(grad_sync, []))
+        losses[grad_sync] = train_step(model, batches, context, grad_sync=grad_sync)
+    reference = dict(models[0].named_parameters())
+    grad = max(
+        (full_tensor(param.grad) - full_tensor(reference[name].grad)).abs().max().item()
+        for name, param in models[1].named_parameters()
+    )
+    return {
+        "micro_batches": len(batches),
+        "flags": flags,
+        "loss_difference": (losses["step"] - losses["micro_batch"]).abs().item(),
+        "grad": grad,
+        "grad_norm": sum(full_tensor(p.grad).norm().item() for p in models[0].parameters()),
+    }
+
+
+def _recording(set_sync, recorded: list[bool]):
+    def wrapper(sync: bool, *args: Any, **kwargs: Any) -> None:
+        recorded.append(sync)
+        set_sync(sync, *args, **kwargs)
+
+    return wrapper
