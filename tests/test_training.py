@@ -213,6 +213,10 @@ def test_validation_loss_tokens_per_second_and_mfu_in_the_log(ranks2, chat_check
     steps = [message for message in result["log"] if message.startswith("step ") and "tokens/s" in message]
     assert len(steps) == 10 and all("| MFU " in message for message in steps), steps[:2]
     assert any(message.startswith("step 10 | eval loss") for message in result["log"])
+    assert (
+        "gradient accumulation: 2 micro batches per rank per step; gradients reduced once per step, after the last "
+        "(unsharded gradients held through the accumulation) (train.grad_sync: step)"
+    ) in result["log"]
 
 
 def test_a_validation_pass_leaves_the_training_steps_after_it_unchanged(ranks2, chat_checkpoint, tmp_path):
@@ -241,6 +245,18 @@ def test_grad_sync_per_micro_batch_gives_the_gradients_of_one_reduction_per_step
         assert result["flags"] == {"step": [False, True], "micro_batch": [True, True]}, f"rank {rank}: {result}"
         assert result["loss_difference"] <= 1e-6 and result["grad"] <= 1e-6, f"rank {rank}: {result}"
         assert result["grad_norm"] > 0, result
+
+
+def test_the_recipe_with_grad_sync_per_micro_batch_trains_as_the_default(ranks2, chat_checkpoint, tmp_path):
+    config = _config(tmp_path, chat_checkpoint)
+    overrides = ["train.max_steps=4", "train.micro_batch_size=1"]
+    default = ranks2.run(train_and_report, config, overrides)[0]
+    per_micro_batch = ranks2.run(train_and_report, config, [*overrides, "train.grad_sync=micro_batch"])[0]
+    assert max(abs(a - b) for a, b in zip(default["losses"], per_micro_batch["losses"], strict=True)) < 1e-5
+    assert (
+        "gradient accumulation: 4 micro batches per rank per step; gradients reduced after every micro batch "
+        "(sharded gradients only) (train.grad_sync: micro_batch)"
+    ) in per_micro_batch["log"]
 
 
 def test_fsdp2_reshard_policies_and_prefetch_train_bitwise_alike(ranks2, chat_checkpoint, tmp_path):

@@ -325,6 +325,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     optimizer = make_optimizer(model, train)
     scheduler = make_scheduler(optimizer, train)
     loss_fn = make_loss(train.loss, train.loss_chunk_size)
+    _log_grad_sync(config, loader.grad_accumulation_steps)
     result = TrainResult()
     resume = latest_checkpoint(config.checkpoint.dir)
     _log_restart(resume)
@@ -503,6 +504,23 @@ def _describe_layout(layout: dict | None) -> str:
     shown += [f"{key}={value}" for key, value in layout.items() if key in defaults and value != defaults[key]]
     shown += [key for key in ("sequence_parallel",) if layout.get(key)]
     return ", ".join(shown)
+
+
+def _log_grad_sync(config: RecipeConfig, accumulation_steps: int) -> None:
+    """With FSDP2 and gradient accumulation: when the step reduces its gradients (``train.grad_sync``)."""
+    if config.layout.strategy != "fsdp2" or config.layout.pp_size > 1 or accumulation_steps < 2:
+        return
+    when = {
+        "step": "once per step, after the last (unsharded gradients held through the accumulation)",
+        "micro_batch": "after every micro batch (sharded gradients only)",
+    }[config.train.grad_sync]
+    log_rank_zero(
+        logger,
+        "gradient accumulation: %d micro batches per rank per step; gradients reduced %s (train.grad_sync: %s)",
+        accumulation_steps,
+        when,
+        config.train.grad_sync,
+    )
 
 
 def _log_preemption(result: TrainResult, step: int) -> None:

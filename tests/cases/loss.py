@@ -1,4 +1,5 @@
-"""Rank-side cases for the chunked cross-entropy (run inside ``tests.harness.RankPool`` workers)."""
+"""Rank-side cases for the chunked cross-entropy and the gradient-sync choice of ``train_step`` (run inside
+``tests.harness.RankPool`` workers)."""
 
 from __future__ import annotations
 
