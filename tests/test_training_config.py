@@ -69,6 +69,16 @@ def test_bad_keys_and_values_name_the_key(config_file, override, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("layout", ["layout.strategy=megatron_fsdp", "layout.pp_size=2"])
+def test_grad_sync_per_micro_batch_is_refused_where_the_layout_chooses_it(config_file, layout):
+    with pytest.raises(ConfigError, match="train.grad_sync=micro_batch runs with layout.strategy=fsdp2 or ddp"):
+        load_config(config_file, ["train.grad_sync=micro_batch", layout])
+    assert (
+        load_config(config_file, ["train.grad_sync=micro_batch", "layout.strategy=ddp"]).train.grad_sync
+        == "micro_batch"
+    )
+
+
 def test_reshard_policy_names_map_to_fsdp2_config(config_file):
     """torchtitan's names: ``default`` (also spelled ``all_but_last``) is the default, then ``always`` and ``never``."""
     from automodel.training.loop import mesh_arguments

@@ -558,6 +558,11 @@ def _validate(config: RecipeConfig) -> None:
             "library does: NeMoAutoModelForCausalLM.from_pretrained(..., peft_config=...) with pp_size). Use "
             "layout.pp_size=1."
         )
+    if train.grad_sync == "micro_batch" and (config.layout.strategy == "megatron_fsdp" or config.layout.pp_size > 1):
+        raise ConfigError(
+            "train.grad_sync=micro_batch runs with layout.strategy=fsdp2 or ddp and layout.pp_size=1: Megatron-FSDP "
+            "and the pipeline schedule choose when gradients are reduced themselves. Use train.grad_sync=step."
+        )
     if train.loss == "chunked" and config.layout.strategy == "megatron_fsdp":
         raise ConfigError("train.loss=chunked runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
     if model.kind == "image_text_to_text":
