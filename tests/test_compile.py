@@ -9,12 +9,20 @@ on-disk cache warm), hence ``slow``."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from automodel.distributed import FSDP2Config, MegatronFSDPConfig
-from automodel.distributed.compile import check_compile
+from automodel.distributed import FSDP2Config, MegatronFSDPConfig, MeshContext
+from automodel.distributed.compile import (
+    CompileDecision,
+    check_compile,
+    compile_blocks,
+    decide_compile,
+    eager_block_classes,
+)
 from automodel.training.config import ConfigError, load_config
 from tests.cases.compile import compiled_parity
 
@@ -65,11 +73,98 @@ def test_compile_is_refused_where_it_cannot_apply(monkeypatch):
     check_compile(_context(device_type="cuda"))  # the GPU backend generates Triton, not C++
 
 
+def test_auto_compiles_on_cuda_and_runs_eagerly_where_blocks_cannot_compile(monkeypatch):
+    assert decide_compile(_context(compile="auto")) == CompileDecision(False, "auto, cpu")
+    assert decide_compile(_context(compile="auto", device_type="cuda")) == CompileDecision(True, "auto, cuda")
+    assert decide_compile(_context(compile=True)) == CompileDecision(True, "compile=True")
+    assert decide_compile(_context(compile=False, device_type="cuda")) == CompileDecision(False, "compile=False")
+    # Where an explicit compile=True is refused, auto runs the blocks eagerly and says why.
+    expert = decide_compile(_context(compile="auto", device_type="cuda", ep_size=2))
+    assert not expert.enabled and "eagerly: the expert all-to-all sends a data-dependent" in expert.why, expert
+    megatron = decide_compile(_context(compile="auto", device_type="cuda", strategy=MegatronFSDPConfig()))
+    assert not megatron.enabled and "Megatron-FSDP" in megatron.why, megatron
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    assert decide_compile(_context(compile="auto")) == CompileDecision(False, "auto, cpu")
+
+
+def test_mesh_context_compile_argument():
+    with pytest.raises(ValueError, match="compile='yes' must be 'auto', True or False"):
+        MeshContext.build("fsdp2", compile="yes")
+
+
+def _tiny_llama(layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config), LlamaForCausalLM(config)
+
+
+def test_a_block_class_that_fails_to_compile_runs_eagerly_said_once(monkeypatch, caplog):
+    """Inductor's C++ build fails (a compiler that does not exist): the blocks run their eager forward, the model's
+    outputs are the uncompiled model's, and one warning names the block class and the reason."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-compiler",))
+    torch._dynamo.reset()
+    model, reference = _tiny_llama()
+    reference.load_state_dict(model.state_dict())
+    assert compile_blocks(model) == 2
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="automodel.distributed.compile"):
+        for _ in range(2):
+            out = model(input_ids=tokens, labels=tokens, use_cache=False)
+            out.loss.backward()
+    expected = reference(input_ids=tokens, labels=tokens, use_cache=False)
+    assert (out.logits - expected.logits).abs().max().item() == 0.0
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "LlamaDecoderLayer blocks run eagerly (their compilation failed: InductorError" in warnings[0], warnings
+    assert list(eager_block_classes(model)) == ["LlamaDecoderLayer"]
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_variable_sequence_lengths_compile_twice_not_per_length():
+    """50 training steps with 41 different sequence lengths: the blocks compile for the first shape, then once more
+    with the length dynamic (dynamo's automatic dynamic shapes), and never again. A call with a KV cache runs
+    eagerly (no compilation per layer)."""
+    torch._dynamo.reset()
+    model, _ = _tiny_llama(layers=4)
+    compile_blocks(model)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 97, (50,), generator=generator).tolist()
+    graphs = []
+    for length in lengths:
+        tokens = torch.randint(0, 64, (2, length), generator=generator)
+        model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert len(set(lengths)) > 30
+    assert graphs[0] == 1 and graphs[-1] == 2, graphs  # all four blocks share each graph
+    assert graphs.index(2) == 1 + lengths[1:].index(next(n for n in lengths[1:] if n != lengths[0])), graphs
+    with torch.no_grad():
+        model(input_ids=tokens[:, :4], use_cache=True)  # a KV cache: eager, no new graph
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
 def test_layout_compile_key(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("recipe: pretrain\nmodel: {path: m}\ndata: {path: d}\n")
-    assert load_config(path).layout.compile is False
+    assert load_config(path).layout.compile == "auto"
     assert load_config(path, ["layout.compile=true"]).layout.compile is True
+    assert load_config(path, ["layout.compile=false"]).layout.compile is False
+    load_config(path, ["layout.ep_size=2"])  # auto runs expert-parallel blocks eagerly
     with pytest.raises(ConfigError, match="layout.compile=true compiles decoder blocks with layout.strategy=fsdp2"):
         load_config(path, ["layout.compile=true", "layout.ep_size=2"])
 

@@ -26,6 +26,7 @@ __all__ = [
     "FakeStore",
     "StridedShard",
     "TorchDispatchMode",
+    "TorchDynamoException",
     "all_gather",
     "all_gather_autograd",
     "apply_to_tensors",
@@ -83,6 +84,12 @@ replicate = _torch("torch.distributed._composable.replicate.replicate", purpose=
 # acts as any rank of any world size, to plan and measure a layout at scale. Known: 2.9.0 - 2.14.1.
 FakeStore = _torch(
     "torch.testing._internal.distributed.fake_pg.FakeStore", purpose="simulating a rank of any world size"
+)
+
+# The base of the errors torch.compile raises while dynamo traces a frame or the backend compiles it (inductor's
+# included): a compiled decoder block falls back to its eager forward on them. Known: 2.9.0 - 2.14.1.
+TorchDynamoException = _torch(
+    "torch._dynamo.exc.TorchDynamoException", purpose="running a block eagerly when its compilation fails"
 )
 
 # The interleaved placement FSDP2 gives a dimension that TP already shards; the loader computes each rank's slice of

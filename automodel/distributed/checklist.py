@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from automodel._compat.torch import fsdp_state
 
 from .activation_checkpointing import apply_activation_checkpointing
-from .compile import check_compile, compile_blocks
+from .compile import CompileDecision, compile_blocks, decide_compile
 from .config import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from .context_parallel import apply_context_parallel
 from .ddp import apply_ddp
@@ -168,19 +168,18 @@ def activation_checkpointing_step(
     return f"AC {mode} on {len(targets)} {unit}"
 
 
-def validate_compile(context: MeshContext) -> None:
-    """Raise, before anything is touched, where ``context.compile`` cannot apply (EP, Megatron-FSDP, no C++ compiler
-    for inductor on CPU)."""
-    if context.compile:
-        check_compile(context)
+def validate_compile(context: MeshContext) -> CompileDecision:
+    """Resolve ``context.compile`` before anything is touched; raises where an explicit ``compile=True`` cannot apply
+    (EP, Megatron-FSDP, no C++ compiler for inductor on CPU)."""
+    return decide_compile(context)
 
 
-def compile_step(model: nn.Module, enabled: bool) -> str | None:
+def compile_step(model: nn.Module, decision: CompileDecision) -> str:
     """``torch.compile`` each decoder block's forward (with the TP transforms and checkpoint wrappers inside it),
     before sharding, so FSDP2's hooks stay around the compiled forward."""
-    if not enabled:
-        return None
-    return f"compile: {compile_blocks(model)} blocks (torch.compile, compiled at the first forward)"
+    if not decision.enabled:
+        return f"compile: off ({decision.why})"
+    return f"compile: on ({decision.why}), {compile_blocks(model)} blocks (compiled at the first forward)"
 
 
 def trainability_step(

@@ -61,6 +61,12 @@ def _check_flag(name: str, value: bool) -> bool:
     return value
 
 
+def _check_compile(value: bool | str) -> bool | str:
+    if value != "auto" and not isinstance(value, bool):
+        raise ValueError(f"compile={value!r} must be 'auto', True or False.")
+    return value
+
+
 def _ensure_process_group() -> None:
     """Use the initialised default process group, or start one from the torchrun environment."""
     if dist.is_initialized():
@@ -247,7 +253,8 @@ class MeshContext:
     Holds the resolved meshes (sizes are read from them, never stored twice) and the policy: the strategy config,
     the MoE config, sequence parallelism, the activation-checkpointing mode, the trainability callback that
     re-freezes parameters after activation checkpointing has wrapped modules and before FSDP groups them, and whether
-    each decoder block is compiled (``torch.compile``, after TP and activation checkpointing, before sharding).
+    each decoder block is compiled (``torch.compile``, after TP and activation checkpointing, before sharding;
+    ``"auto"``, the default, compiles where the mesh's device is CUDA: see :mod:`automodel.distributed.compile`).
 
     Build one with :meth:`build` (from sizes, the usual way) or :meth:`from_meshes` (from meshes a caller built).
     """
@@ -259,7 +266,7 @@ class MeshContext:
     sequence_parallel: bool = False
     activation_checkpointing: ActivationCheckpointing = False
     reapply_trainability: Callable[[nn.Module], None] | None = None
-    compile: bool = False
+    compile: bool | str = "auto"
     flattened: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     pipeline: PipelineLayout | None = None
 
@@ -276,7 +283,7 @@ class MeshContext:
         activation_checkpointing: bool | str = False,
         moe: MoEConfig | None = None,
         reapply_trainability: Callable[[nn.Module], None] | None = None,
-        compile: bool = False,
+        compile: bool | str = "auto",
         pp_size: int = 1,
         pp_schedule: str = "1f1b",
         pp_microbatches: int | None = None,
@@ -294,6 +301,7 @@ class MeshContext:
         """
         strategy = strategy_from_name(strategy)
         mode = _normalize_activation_checkpointing(activation_checkpointing)
+        compile = _check_compile(compile)
         _check_positive(pp_size=pp_size)
         microbatches = 1
         if pp_size > 1:
@@ -322,7 +330,7 @@ class MeshContext:
             sequence_parallel=sequence_parallel,
             activation_checkpointing=mode,
             reapply_trainability=reapply_trainability,
-            compile=_check_flag("compile", compile),
+            compile=compile,
             flattened=flattened,
             pipeline=pipeline,
         )
@@ -338,7 +346,7 @@ class MeshContext:
         sequence_parallel: bool = False,
         activation_checkpointing: bool | str = False,
         reapply_trainability: Callable[[nn.Module], None] | None = None,
-        compile: bool = False,
+        compile: bool | str = "auto",
     ) -> MeshContext:
         """Wrap meshes a caller built. Missing dense axes get size 1; unknown axis names are rejected.
 
@@ -378,7 +386,7 @@ class MeshContext:
             sequence_parallel=sequence_parallel,
             activation_checkpointing=_normalize_activation_checkpointing(activation_checkpointing),
             reapply_trainability=reapply_trainability,
-            compile=_check_flag("compile", compile),
+            compile=_check_compile(compile),
             flattened=flattened,
         )
 

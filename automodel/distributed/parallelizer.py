@@ -110,7 +110,7 @@ class ModelParallelizer:
         # Everything that can refuse runs first, so a refusal leaves the model untouched.
         checklist.validate_encoder_towers(model, device_mesh["cp"].size())
         expert_names = checklist.validate_expert_parallel(model, context)
-        checklist.validate_compile(context)
+        compiling = checklist.validate_compile(context)
         tp_plan = checklist.plan_tensor_parallel(self, model, tp_mesh, tp_shard_plan, expert_names)
         requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
 
@@ -121,7 +121,7 @@ class ModelParallelizer:
         done.append(checklist.context_parallel_step(model, device_mesh["cp"]))
         replay_routing = kwargs.get("save_router_decisions", context.moe.save_router_decisions)
         done.append(checklist.activation_checkpointing_step(self, model, activation_checkpointing, replay_routing))
-        done.append(checklist.compile_step(model, context.compile))
+        done.append(checklist.compile_step(model, compiling))
         done.append(checklist.trainability_step(model, requires_grad, reapply_trainability))
         model, sharded = checklist.shard_step(
             self,

@@ -86,9 +86,9 @@ class LayoutSection:
     # all-gather starts before a layer computes.
     reshard_after_forward: Literal["default", "all_but_last", "always", "never"] = "default"
     prefetch: bool = True
-    # torch.compile each decoder block (after TP and activation checkpointing, before FSDP2); not with EP or
-    # Megatron-FSDP.
-    compile: bool = False
+    # torch.compile each decoder block (after TP and activation checkpointing, before FSDP2): auto compiles on CUDA
+    # and runs eagerly on CPU and where blocks cannot compile (EP, Megatron-FSDP); true / false force it.
+    compile: Literal[False, True, "auto"] = "auto"
     # Pipeline parallelism: pp_size stage groups (the outermost axis), each running its stages with the axes above;
     # the schedule runs train.pp_microbatches microbatches per step (docs/parallelisms.md, "Pipeline parallelism").
     pp_size: int = 1
@@ -543,7 +543,7 @@ def _validate(config: RecipeConfig) -> None:
     for key, value, module, requirement in trackers:
         if value is not None and importlib.util.find_spec(module) is None:
             raise ConfigError(f"{key}={value} needs the {module} package: pip install {requirement}.")
-    if config.layout.compile and (config.layout.ep_size > 1 or config.layout.strategy == "megatron_fsdp"):
+    if config.layout.compile is True and (config.layout.ep_size > 1 or config.layout.strategy == "megatron_fsdp"):
         raise ConfigError(
             "layout.compile=true compiles decoder blocks with layout.strategy=fsdp2 or ddp and ep_size=1 (the expert "
             "all-to-all breaks a block's graph at every exchange; Megatron-FSDP swaps its buffers in outside it)."
