@@ -132,6 +132,27 @@ def test_a_block_class_that_fails_to_compile_runs_eagerly_said_once(monkeypatch,
     torch._dynamo.reset()
 
 
+def test_a_training_forward_with_a_kv_cache_runs_eagerly_and_says_so(caplog):
+    """transformers creates a KV cache unless ``use_cache=False``: the blocks run eagerly (compiling them would
+    recompile per layer), warned once; generation (no gradients) runs eagerly without a word."""
+    torch._dynamo.reset()
+    model, _ = _tiny_llama()
+    compile_blocks(model)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="automodel.distributed.compile"):
+        with torch.no_grad():
+            model(input_ids=tokens)
+        for _ in range(2):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 0
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "passed a KV cache to the LlamaDecoderLayer blocks" in warnings[0], warnings
+    assert "use_cache=False" in warnings[0]
+    assert eager_block_classes(model) == {}
+
+
 @pytest.mark.slow
 def test_variable_sequence_lengths_compile_twice_not_per_length():
     """50 training steps with 41 different sequence lengths: the blocks compile for the first shape, then once more

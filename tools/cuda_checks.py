@@ -54,12 +54,16 @@ def fsdp2_load_parity(directory: Path) -> dict:
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=context).train()
     reference = AutoModelForCausalLM.from_pretrained(checkpoint).cuda().train()
     batch = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1)).cuda()
-    out, ref = model(input_ids=batch, labels=batch), reference(input_ids=batch, labels=batch)
+    # use_cache=False: the blocks run compiled (compile="auto" on CUDA; a KV cache would run them eagerly).
+    out = model(input_ids=batch, labels=batch, use_cache=False)
+    ref = reference(input_ids=batch, labels=batch, use_cache=False)
     out.loss.backward()
     ref.loss.backward()
     ref_params = dict(reference.named_parameters())
     grads = max((full_tensor(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters())
     return {
+        "compile": str(context.compile),
+        "compiled_blocks": sum(hasattr(layer.forward, "compiled") for layer in model.model.layers),
         "backend": str(dist.get_backend()),
         "device": str(next(model.parameters()).device),
         "logits": (full_tensor(out.logits) - ref.logits).abs().max().item(),

@@ -15,7 +15,8 @@ first forward (a backend error, an op dynamo cannot trace) runs eagerly from the
 the reason, never fatal.
 
 A call with a KV cache (generation, ``use_cache=True``) runs the block eagerly: the cache's per-layer state would make
-dynamo compile each layer separately and give up at its recompile limit. Training and evaluation pass no cache.
+dynamo compile each layer separately and give up at its recompile limit. ``train_step`` passes ``use_cache=False``; a
+training forward of the user's own that leaves transformers' default cache on is warned once.
 
 Sequence lengths: dynamo's automatic dynamic shapes mark a dimension dynamic the first time it changes, so a model fed
 variable lengths compiles twice (the first shape, then one graph for every length), not once per length.
@@ -111,7 +112,7 @@ def compile_blocks(model: nn.Module) -> int:
     """Compile the forward of each decoder block of ``model`` in place, the blocks of a class falling back to their
     eager forward together when that class fails to compile; returns how many blocks."""
     blocks = decoder_layers(model)
-    failed: dict[type, str] = {}  # block class -> why it runs eagerly; shared by this model's blocks
+    failed: dict[type | str, str] = {}  # block class -> why it runs eagerly; shared by this model's blocks
     for block in blocks:
         block.forward = _compiled_or_eager(type(block), block.forward, failed)
     return len(blocks)
@@ -122,16 +123,30 @@ def eager_block_classes(model: nn.Module) -> dict[str, str]:
     found: dict[str, str] = {}
     for block in decoder_layers(model):
         failed = getattr(block.forward, "failed", {})
-        found.update({cls.__name__: reason for cls, reason in failed.items()})
+        found.update({cls.__name__: reason for cls, reason in failed.items() if isinstance(cls, type)})
     return found
 
 
-def _compiled_or_eager(block_class: type, eager: Callable[..., Any], failed: dict[type, str]) -> Callable[..., Any]:
+def _compiled_or_eager(
+    block_class: type, eager: Callable[..., Any], failed: dict[type | str, str]
+) -> Callable[..., Any]:
     compiled = torch.compile(eager)
 
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if block_class in failed or any(isinstance(value, Cache) for value in kwargs.values()):
+        if block_class in failed:
+            return eager(*args, **kwargs)
+        if any(isinstance(value, Cache) for value in kwargs.values()):
+            if torch.is_grad_enabled() and "cache" not in failed:
+                failed["cache"] = "a training forward passed a KV cache"
+                log_rank_zero(
+                    logger,
+                    "compile: a forward with gradients passed a KV cache to the %s blocks (transformers creates one "
+                    "unless use_cache=False), so they ran eagerly; pass use_cache=False to train compiled, as "
+                    "automodel's train_step does",
+                    block_class.__name__,
+                    level=logging.WARNING,
+                )
             return eager(*args, **kwargs)
         try:
             return compiled(*args, **kwargs)
