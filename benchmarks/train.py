@@ -1,8 +1,8 @@
 """SFT step throughput and peak step memory on N CPU ranks: this project's training step (plain, with compiled
-blocks, with the chunked loss) vs a plain AdamW loop over transformers' own FSDP2 model vs a floor, in one run.
+blocks, with the fused loss) vs a plain AdamW loop over transformers' own FSDP2 model vs a floor, in one run.
 
     python benchmarks/train.py --nproc 2                      # throughput, with and without layout.compile
-    python benchmarks/train.py --nproc 2 --scenario memory    # peak step memory, with and without the chunked loss
+    python benchmarks/train.py --nproc 2 --scenario memory    # peak step memory, with and without the fused loss
 
 A random Llama (32 M parameters; the large one 302 M) is saved once. Every contender starts N fresh gloo ranks, loads it, and runs
 ``--warmup`` + ``--steps`` optimizer steps on the same random token batches: ``--global-batch`` sequences of
@@ -30,7 +30,7 @@ Contenders:
   micro batch only; ``clip_grad_norm``; AdamW);
 - ``automodel+compile``: the same with ``MeshContext.build("fsdp2", compile=True)`` (each decoder block
   ``torch.compile``d; inductor compiles during the warm-up steps);
-- ``automodel+chunked``: the same with ``train.loss: chunked`` (``ChunkedCrossEntropy``, 1024-token chunks by
+- ``automodel+fused``: the same with ``train.loss: fused`` (``FusedLinearCrossEntropy``, 1024-token chunks by
   default: ``--chunk``);
 - ``automodel+always`` / ``+never`` / ``+noprefetch`` / ``+microsync``: the reshard policy ZeRO-3 / ZeRO-2, without
   the explicit layer prefetch, the gradients reduced after every micro batch (``train.grad_sync: micro_batch``)
@@ -51,7 +51,7 @@ from pathlib import Path
 from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from _ranks import init_rank, run_ranks
 
-AUTOMODEL_OPTIONS = ("compile", "chunked", "always", "never", "noprefetch", "microsync")
+AUTOMODEL_OPTIONS = ("compile", "fused", "always", "never", "noprefetch", "microsync")
 
 # Per scenario: the model, the batch and the contenders compared in one run.
 SCENARIOS = {
@@ -92,7 +92,7 @@ SCENARIOS = {
             max_position_embeddings=2048,
         ),
         "batch": dict(global_batch=None, micro_batch=1, seq=2048, warmup=1, steps=2),
-        "contenders": "automodel,automodel+chunked",
+        "contenders": "automodel,automodel+fused",
     },
 }
 
@@ -111,12 +111,12 @@ def make_checkpoint(directory: Path, shape: dict) -> Path:
 
 
 def parse_contender(name: str) -> tuple[str, set[str]]:
-    """``"automodel+compile+chunked"`` -> ``("automodel", {"compile", "chunked"})``; options only for automodel."""
+    """``"automodel+compile+fused"`` -> ``("automodel", {"compile", "fused"})``; options only for automodel."""
     base, *options = name.split("+")
     unknown = set(options) - set(AUTOMODEL_OPTIONS) if base == "automodel" else set(options)
     if base not in ("floor", "automodel", "transformers") or unknown:
         raise SystemExit(
-            f"unknown contender {name!r}: floor, transformers, or automodel[+compile][+chunked][+always|+never][+noprefetch][+microsync]"
+            f"unknown contender {name!r}: floor, transformers, or automodel[+compile][+fused][+always|+never][+noprefetch][+microsync]"
         )
     return base, set(options)
 
@@ -159,7 +159,7 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
         strategy = FSDP2Config(reshard_after_forward=policy, prefetch="noprefetch" not in options)
         context = MeshContext.build(strategy, compile="compile" in options)
         model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context)
-        loss_fn = make_loss("chunked" if "chunked" in options else "model", args["chunk"])
+        loss_fn = make_loss("fused" if "fused" in options else "model", args["chunk"])
         grad_sync = "micro_batch" if "microsync" in options else "step"
 
         def step_fn(micro_batches):
@@ -219,10 +219,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the chunked loss")
+    parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the fused loss")
     parser.add_argument(
         "--contenders",
-        help="comma-separated: floor, transformers, automodel[+compile][+chunked][+always|+never][+noprefetch][+microsync]",
+        help="comma-separated: floor, transformers, automodel[+compile][+fused][+always|+never][+noprefetch][+microsync]",
     )
     parser.add_argument("--dir", type=Path, help="where the random checkpoint is saved (once)")
     parser.add_argument("--rounds", type=int, default=1, help="run the contenders this many times, interleaved")

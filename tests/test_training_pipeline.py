@@ -1,6 +1,6 @@
 """The recipes under pipeline parallelism (``layout.pp_size``): SFT on 2 and 4 CPU ranks trains as without PP,
 resumes bitwise, reshards between PP2 x FSDP2 and FSDP2, exports the checkpoint a run without PP exports, and runs
-with packing, the chunked loss and a validation set; the log shows the schedule and the measured bubble."""
+with packing, the fused loss and a validation set; the log shows the schedule and the measured bubble."""
 
 from __future__ import annotations
 
@@ -80,11 +80,11 @@ def test_a_checkpoint_reshards_between_pp2_x_fsdp2_and_fsdp2_on_4_ranks(
     assert _close(continued["losses"][4:], full[4:]) < LAYOUT_TOLERANCE, (continued["losses"], full)
 
 
-def test_packing_the_chunked_loss_and_validation_under_pp2(ranks2, chat_checkpoint, tmp_path):
+def test_packing_the_fused_loss_and_validation_under_pp2(ranks2, chat_checkpoint, tmp_path):
     config = _config(tmp_path, chat_checkpoint)
     overrides = [
         "data.packing=true",
-        "train.loss=chunked",
+        "train.loss=fused",
         "train.loss_chunk_size=16",
         f"data.validation_path={CHAT_DATA}",
         "train.max_steps=4",
@@ -99,8 +99,8 @@ def test_packing_the_chunked_loss_and_validation_under_pp2(ranks2, chat_checkpoi
 def test_pretraining_under_pp2_matches_it_without_pp(ranks2, chat_checkpoint, tmp_path):
     config = _config(tmp_path, chat_checkpoint, recipe="pretrain")
     corpus = f"data.path={REPO / 'recipes' / 'data' / 'tiny_corpus.txt'}"
-    overrides = [corpus, "train.max_steps=4", "train.loss=chunked", "layout.pp_schedule=gpipe"]
-    plain = ranks2.run(train, config, [corpus, "train.max_steps=4", "train.loss=chunked"])[0]
+    overrides = [corpus, "train.max_steps=4", "train.loss=fused", "layout.pp_schedule=gpipe"]
+    plain = ranks2.run(train, config, [corpus, "train.max_steps=4", "train.loss=fused"])[0]
     pipelined = ranks2.run(train, config, [*overrides, "layout.pp_size=2"])[0]
     assert _close(pipelined["losses"], plain["losses"]) < LAYOUT_TOLERANCE, (pipelined["losses"], plain["losses"])
 

@@ -150,9 +150,9 @@ def test_a_declared_vision_language_run_refuses_packing_and_pretraining_in_the_c
     assert load_config(config, ["model.kind=causal_lm"]).model.kind == "causal_lm"
 
 
-def test_the_chunked_loss_trains_a_vision_language_model_as_the_model_loss_does(ranks2, project):
-    """train.loss=chunked on a VLM: the head's input is the decoder's output, as on text models; the same losses."""
+def test_the_fused_loss_trains_a_vision_language_model_as_the_model_loss_does(ranks2, project):
+    """train.loss=fused on a VLM: the head's input is the decoder's output, as on text models; the same losses."""
     config = str(project / "sft_vlm.yaml")
     plain = ranks2.run(train_vlm, config, ["train.max_steps=4"])[0]["losses"]
-    chunked = ranks2.run(train_vlm, config, ["train.max_steps=4", "train.loss=chunked", "train.loss_chunk_size=16"])
-    assert max(abs(a - b) for a, b in zip(chunked[0]["losses"], plain, strict=True)) <= 1e-5, (chunked, plain)
+    fused = ranks2.run(train_vlm, config, ["train.max_steps=4", "train.loss=fused", "train.loss_chunk_size=16"])
+    assert max(abs(a - b) for a, b in zip(fused[0]["losses"], plain, strict=True)) <= 1e-5, (fused, plain)

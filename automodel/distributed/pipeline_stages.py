@@ -330,7 +330,7 @@ class StageForward:
         self.received: torch.Tensor | None = None
         self.sent: torch.Tensor | None = None
         # Last stage: return the output head's input instead of the logits (a loss that runs the head itself, e.g.
-        # the chunked cross-entropy); the head then computes one position only, a stand-in the forward discards.
+        # the fused linear cross-entropy); the head then computes one position only, a stand-in the forward discards.
         self.return_head_input = False
         if not first:
             first_layer.register_forward_pre_hook(self._take_received, with_kwargs=True, prepend=True)

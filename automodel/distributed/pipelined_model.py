@@ -6,7 +6,7 @@ the whole batch), the same on every rank. Each microbatch's loss is its summed t
 token count, and the schedule sums them (``scale_grads=False``), so gradients are those of the batch's mean loss
 whatever the split. ``eval_step(**batch)`` runs the forward only.
 
-A loss that runs the output head itself (the recipes' chunked cross-entropy) is passed as ``head_loss``: the last
+A loss that runs the output head itself (the recipes' fused linear cross-entropy) is passed as ``head_loss``: the last
 stage then hands it the head's input instead of the logits. Each step also measures the pipeline's bubble: the share
 of the step each rank spends outside its stages' forward and backward computations (waiting for activations and
 gradients), averaged over the pipeline ranks (``last_bubble``).

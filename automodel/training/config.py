@@ -147,9 +147,10 @@ class TrainSection:
     eval_every_steps: int = 0
     # Peak dense TFLOP/s of one device (e.g. 989 for an H100 in bf16): the log then shows MFU.
     peak_tflops: float | None = None
-    # "chunked": the head and cross-entropy over chunks of loss_chunk_size tokens, never the full logits.
-    loss: Literal["model", "chunked"] = "model"
-    loss_chunk_size: int = 1024
+    # "fused": the head and cross-entropy over chunks of loss_chunk_size tokens, each chunk's gradients computed in
+    # the forward, never the full logits ("chunked": its deprecated name, accepted with a warning for one release).
+    loss: Literal["model", "fused", "chunked"] = "model"
+    loss_chunk_size: int = 4096
     # With gradient accumulation under FSDP2: "step" reduces the gradients once, after the last micro batch (half the
     # collectives; a rank holds its units' unsharded gradients through the accumulation, up to the whole model's);
     # "micro_batch" reduces after every micro batch (the sharded gradients only; one reduction per micro batch).
@@ -563,8 +564,8 @@ def _validate(config: RecipeConfig) -> None:
             "train.grad_sync=micro_batch runs with layout.strategy=fsdp2 or ddp and layout.pp_size=1: Megatron-FSDP "
             "and the pipeline schedule choose when gradients are reduced themselves. Use train.grad_sync=step."
         )
-    if train.loss == "chunked" and config.layout.strategy == "megatron_fsdp":
-        raise ConfigError("train.loss=chunked runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
+    if train.loss in ("fused", "chunked") and config.layout.strategy == "megatron_fsdp":
+        raise ConfigError(f"train.loss={train.loss} runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
     if model.kind == "image_text_to_text":
         validate_vision_language(config)
     _validate_lora(config)

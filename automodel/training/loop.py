@@ -39,7 +39,7 @@ from .config import (
 )
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
-from .loss import ChunkedCrossEntropy, LossFunction, ModelLoss, make_loss
+from .loss import FusedLinearCrossEntropy, LossFunction, ModelLoss, make_loss
 from .metrics import flops_per_token, model_flops_utilization
 from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedule
 from .packing import check_packed_attention
@@ -216,7 +216,7 @@ def train_step(
     """Forward and backward over this rank's micro batches; returns the step's global mean token loss.
 
     ``loss_fn(model, inputs, num_items_in_batch)`` computes a micro batch's loss (default: the model's own; see
-    ``automodel.training.loss`` for the chunked cross-entropy).
+    ``automodel.training.loss`` for the fused linear cross-entropy).
 
     Each micro batch's loss is its token-loss sum divided by (the step's valid tokens over all data-parallel ranks /
     the ranks gradients are averaged over), so the averaged gradient is the mean over every token of the global
@@ -262,7 +262,7 @@ def _pipelined_train_step(
     """One schedule step over this rank's rows (its micro batches, concatenated: the schedule splits them into the
     layout's microbatches); the same loss normalization as without PP."""
     batch = joined_batch(micro_batches)
-    head_loss = loss_fn.from_head_input if isinstance(loss_fn, ChunkedCrossEntropy) else None
+    head_loss = loss_fn.from_head_input if isinstance(loss_fn, FusedLinearCrossEntropy) else None
     loss = model.train_step(**batch, num_items_in_batch=num_items, head_loss=head_loss).to(num_items.device)
     dist.all_reduce(loss, group=context.mesh("dp_cp").get_group())
     return loss / context.size("dp_cp")

@@ -1,45 +1,51 @@
-"""The training losses: the model's own (``train.loss: model``) and a chunked cross-entropy that never materialises
-the full logits (``train.loss: chunked``).
+"""The training losses: the model's own (``train.loss: model``) and the fused linear cross-entropy
+(``train.loss: fused``), which never holds more than one chunk of logits.
 
 Both return the token-loss sum over the micro batch divided by ``num_items_in_batch``, as transformers'
 ``ForCausalLMLoss`` does (labels shifted left by one, ``-100`` ignored, logits upcast to fp32), so the training step's
 token-weighted mean over the global batch is the same with either.
 
-The chunked loss runs the model with its output head answering a one-token stand-in; the head's real input (the
-final hidden states) is captured, and the head and the cross-entropy run over chunks of ``chunk_size`` tokens in one
-autograd function that computes each chunk's gradients right away (the fused head-and-loss pattern of Liger's
-``FusedLinearCrossEntropy``): a chunk's logits live only while it is processed, so activation memory for the loss is
-one chunk's logits instead of the whole micro batch's (for a 128k vocabulary and 8k tokens, 4 GB in fp32 before the
-backward pass doubles it). The forward of the model itself is untouched: generation and evaluation still get logits.
+The fused loss runs the model with its output head answering a one-token stand-in; the head's real input (the final
+hidden states) is captured, and the head, the model's logit transform (soft-capping, a logit scale) and the
+cross-entropy run over chunks of ``chunk_size`` tokens in one autograd function that computes each chunk's gradients
+right away (``automodel.training.linear_cross_entropy``). For a 128k vocabulary and 8k tokens the full fp32 logits
+are 4 GB before the backward pass doubles them; the fused loss holds one chunk's. The forward of the model itself is
+untouched: generation and evaluation still get logits.
 
-Placements are read from the head's weight: FSDP2 / HSDP shards are gathered (gradients reduce-scattered back and
-averaged as FSDP averages them), and a vocabulary sharded over ``tp`` stays sharded (loss parallel: the softmax
-statistics and the target logits are all-reduced over the TP group, never the logits).
+Placements are read from the head's weight: an FSDP2 unit kept unsharded after the forward (the default for the
+head) is used as it is and FSDP reduces its gradient; a resharded FSDP2 / HSDP weight is gathered (its gradient
+reduce-scattered back and averaged as FSDP averages); a vocabulary sharded over ``tp`` stays sharded (loss
+parallel: each rank's log-sum-exp and target logit are combined over the TP group, never the logits).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .data import IGNORE_INDEX
+from .linear_cross_entropy import LogitTransform, Vocab, fused_linear_cross_entropy
 
-__all__ = ["ChunkedCrossEntropy", "LossFunction", "ModelLoss", "check_chunked_loss_support", "make_loss"]
+__all__ = ["FusedLinearCrossEntropy", "LossFunction", "ModelLoss", "check_fused_loss_support", "make_loss"]
 
 TP_AXIS = "tp"
+# Tokens per chunk: the matrix products of a chunk (K = chunk) keep a GPU's tensor cores busy and the head's gradient
+# is read and written once per chunk; one chunk of a 128k vocabulary is 2 GiB of fp32 logits.
+DEFAULT_CHUNK_SIZE = 4096
 
 LossFunction = Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor | None], torch.Tensor]
 
-# Config attributes that transform the logits after the head (or add a loss term) in some transformers models: the
-# chunked loss computes plain cross-entropy on the head's output, so it refuses these instead of silently differing.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_router_logits")
+# Config attributes of transformers models that change the logits after the head, and how (see ``LogitTransform``).
+_LOGIT_TRANSFORMS = {"logit_scale": "multiply", "logits_scaling": "divide", "final_logit_softcapping": "softcap"}
+# Config attributes that add a loss term to the model's own loss: the fused loss cannot compute it.
+_EXTRA_LOSS_TERMS = ("output_router_logits",)
 
 
 @dataclass(frozen=True)
@@ -51,14 +57,15 @@ class ModelLoss:
 
 
 @dataclass(frozen=True)
-class ChunkedCrossEntropy:
-    """The head and the cross-entropy computed over chunks of ``chunk_size`` tokens; the full logits never exist.
+class FusedLinearCrossEntropy:
+    """The head, the logit transform and the cross-entropy over chunks of ``chunk_size`` tokens, each chunk's
+    gradients computed in the forward; the full logits never exist and the backward does not recompute them.
 
     ``inputs`` are the model's keyword arguments with ``labels`` (shifted inside, as transformers does) or
     ``shift_labels`` (already shifted: context parallelism).
     """
 
-    chunk_size: int = 1024
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
@@ -67,12 +74,12 @@ class ChunkedCrossEntropy:
     def __call__(
         self, model: nn.Module, inputs: dict[str, torch.Tensor], num_items: torch.Tensor | None
     ) -> torch.Tensor:
-        check_chunked_loss_support(model)
+        check_fused_loss_support(model)
         inputs = dict(inputs)
         labels, shift_labels = inputs.pop("labels", None), inputs.pop("shift_labels", None)
         if shift_labels is None:
             if labels is None:
-                raise ValueError("The chunked loss needs `labels` (or `shift_labels`) in the model inputs.")
+                raise ValueError("The fused loss needs `labels` (or `shift_labels`) in the model inputs.")
             shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         with _capture_head_input(model.get_output_embeddings()) as captured:
             model(**inputs)
@@ -83,60 +90,83 @@ class ChunkedCrossEntropy:
     ) -> torch.Tensor:
         """The loss from the output head's input ``hidden`` and the already shifted labels: what a pipeline's last
         stage hands over (``PipelinedModel.train_step(..., head_loss=loss.from_head_input)``)."""
-        check_chunked_loss_support(model)
+        transform = check_fused_loss_support(model)
         if isinstance(hidden, DTensor):
-            raise ValueError(
-                f"train.loss=chunked: the output head received a DTensor ({hidden.placements}); the loss expects the "
-                "whole sequence as a local tensor. Use train.loss=model for this layout."
-            )
-        head = model.get_output_embeddings()
+            raise ValueError(_DTENSOR_INPUT.format(placements=hidden.placements))
+        weight, bias, vocab = _local_head(model.get_output_embeddings(), hidden.dtype)
         targets = shift_labels.to(hidden.device).reshape(-1)
-        valid = (targets != IGNORE_INDEX).nonzero().squeeze(-1)
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)
-        targets = targets.index_select(0, valid)
-        if num_items is None:
-            num_items = torch.tensor(float(max(len(valid), 1)), device=hidden.device)
-        weight, bias, vocab = _local_head(head, hidden.dtype)
+        if num_items is None:  # the mean over the valid tokens, as a device tensor (no host synchronization)
+            num_items = (targets != IGNORE_INDEX).sum().clamp(min=1)
         scale = 1.0 / num_items.to(device=hidden.device, dtype=torch.float32)
-        return _LinearCrossEntropy.apply(hidden, weight, bias, targets, scale, vocab, self.chunk_size)
+        return fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),
+            weight,
+            bias,
+            targets,
+            scale,
+            chunk_size=self.chunk_size,
+            vocab=vocab,
+            transform=transform,
+        )
 
 
-def make_loss(kind: str, chunk_size: int) -> LossFunction:
-    """The loss ``train.loss`` names: ``"model"`` or ``"chunked"`` (with ``train.loss_chunk_size``)."""
+def make_loss(kind: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> LossFunction:
+    """The loss ``train.loss`` names: ``"model"`` or ``"fused"`` (with ``train.loss_chunk_size``). ``"chunked"``,
+    the fused loss's name until it replaced the chunked one, is accepted with a warning for one release."""
     if kind == "model":
         return ModelLoss()
     if kind == "chunked":
-        return ChunkedCrossEntropy(chunk_size)
-    raise ValueError(f"Unknown loss {kind!r}: use 'model' or 'chunked'.")
+        warnings.warn(
+            "train.loss=chunked is now train.loss=fused (the fused linear cross-entropy replaced the chunked loss); "
+            "the old name will be refused in the next release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        kind = "fused"
+    if kind == "fused":
+        return FusedLinearCrossEntropy(chunk_size)
+    raise ValueError(f"Unknown loss {kind!r}: use 'model' or 'fused'.")
 
 
-def check_chunked_loss_support(model: nn.Module) -> None:
-    """Raise when the chunked loss would not compute the model's own loss: the head must be a linear layer whose
-    output the model's forward returns as the logits, with no logit transform or extra loss term after it."""
+def check_fused_loss_support(model: nn.Module) -> LogitTransform:
+    """The logit transform the fused loss applies to compute the model's own loss; raise where it cannot: the head
+    must be a linear layer whose output the model's forward returns as the logits, transformed at most by one
+    known scalar transform, with no extra loss term."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     name = type(model).__name__
     if not isinstance(head, nn.Linear):
         raise ValueError(
-            f"train.loss=chunked computes the output head itself, but {name}'s output embeddings are "
+            f"train.loss=fused computes the output head itself, but {name}'s output embeddings are "
             f"{type(head).__name__} (a linear layer is needed; a LoRA adapter on the head is not supported). Use "
             "train.loss=model."
         )
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    transforms = [key for key in _LOGIT_TRANSFORMS if _changes_logits(getattr(text_config, key, None))]
-    if transforms:
+    extra = [key for key in _EXTRA_LOSS_TERMS if getattr(text_config, key, None)]
+    if extra:
         raise ValueError(
-            f"train.loss=chunked computes plain cross-entropy on the head's output, but {name}'s config sets "
-            f"{', '.join(f'{key}={getattr(text_config, key)!r}' for key in transforms)}, which changes the logits or "
-            "adds a loss term in the model's forward. Use train.loss=model for this model."
+            f"train.loss=fused computes the cross-entropy only, but {name}'s config sets "
+            f"{', '.join(f'{key}={getattr(text_config, key)!r}' for key in extra)}, which adds a loss term in the "
+            "model's forward. Use train.loss=model for this model."
         )
+    transforms = {
+        key: float(value)
+        for key in _LOGIT_TRANSFORMS
+        if (value := getattr(text_config, key, None)) is not None and not isinstance(value, bool) and value != 1
+    }
+    if len(transforms) > 1:
+        raise ValueError(
+            f"train.loss=fused applies one logit transform after the head, but {name}'s config sets "
+            f"{', '.join(f'{key}={value!r}' for key, value in transforms.items())}, whose order the loss would have to "
+            "guess. Use train.loss=model for this model."
+        )
+    return LogitTransform(**{_LOGIT_TRANSFORMS[key]: value for key, value in transforms.items()})
 
 
-def _changes_logits(value: Any) -> bool:
-    """Whether a ``_LOGIT_TRANSFORMS`` setting is on (``None`` / ``False`` / a scale of 1 are off)."""
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    return value != 1
+_DTENSOR_INPUT = (
+    "train.loss=fused: the output head received a DTensor ({placements}); the loss expects the whole sequence as a "
+    "local tensor. Use train.loss=model for this layout."
+)
 
 
 @contextmanager
@@ -148,10 +178,7 @@ def _capture_head_input(head: nn.Module) -> Iterator[list[torch.Tensor]]:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         hidden = args[0]
         if isinstance(hidden, DTensor):
-            raise ValueError(
-                f"train.loss=chunked: the output head received a DTensor ({hidden.placements}); the loss expects the "
-                "whole sequence as a local tensor. Use train.loss=model for this layout."
-            )
+            raise ValueError(_DTENSOR_INPUT.format(placements=hidden.placements))
         captured.append(hidden)
         return (hidden[..., :1, :], *args[1:])
 
@@ -162,41 +189,32 @@ def _capture_head_input(head: nn.Module) -> Iterator[list[torch.Tensor]]:
     finally:
         handle.remove()
     if len(captured) != 1:
-        raise RuntimeError(f"The output head ran {len(captured)} times in one forward; the chunked loss needs once.")
+        raise RuntimeError(f"The output head ran {len(captured)} times in one forward; the fused loss needs once.")
 
 
-@dataclass(frozen=True)
-class _Vocab:
-    """The head's vocabulary as this rank holds it: rows ``[start, start + local size)``, all-reduced over ``group``
-    when sharded (``None``: the whole vocabulary is local)."""
-
-    start: int = 0
-    group: dist.ProcessGroup | None = None
-
-
-def _local_head(head: nn.Linear, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, _Vocab]:
+def _local_head(head: nn.Linear, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, Vocab]:
     """The head's weight and bias as local tensors in the compute dtype, and the vocabulary rows they hold."""
     weight, vocab = _local_parameter(head.weight)
     bias = _local_parameter(head.bias)[0] if head.bias is not None else None
     return weight.to(dtype), bias.to(dtype) if bias is not None else None, vocab
 
 
-def _local_parameter(param: torch.Tensor) -> tuple[torch.Tensor, _Vocab]:
+def _local_parameter(param: torch.Tensor) -> tuple[torch.Tensor, Vocab]:
     """A head parameter with its data-parallel (FSDP / HSDP) shards gathered and its TP placement kept, as a local
     tensor whose gradient flows back to the parameter reduce-scattered and averaged over the data-parallel ranks (as
     FSDP2 averages); a plain tensor (unsharded, or FSDP's unsharded parameter during a step) is used as it is."""
     if not isinstance(param, DTensor):
-        return param, _Vocab()
+        return param, Vocab()
     mesh = param.device_mesh
     names = mesh.mesh_dim_names or ()
-    gathered, grads, vocab, data_parallel = [], [], _Vocab(), 1
+    gathered, grads, vocab, data_parallel = [], [], Vocab(), 1
     for dim, placement in enumerate(param.placements):
         if names[dim] == TP_AXIS:
             gathered.append(placement)
             grads.append(placement)
             if isinstance(placement, Shard):
                 rows = -(-param.shape[placement.dim] // mesh.size(dim))  # torch.chunk's split
-                vocab = _Vocab(mesh.get_local_rank(dim) * rows, mesh.get_group(dim))
+                vocab = Vocab(mesh.get_local_rank(dim) * rows, mesh.get_group(dim))
             continue
         gathered.append(Replicate())
         grads.append(Partial())
@@ -217,87 +235,3 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.factor, None
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """``sum(cross_entropy(hidden @ weight.T + bias, targets)) * scale`` over chunks of rows, with the gradients of
-    each chunk computed in the forward and only scaled by the incoming gradient in the backward.
-
-    ``hidden``: ``[tokens, hidden]`` (valid tokens only), ``weight``: ``[local vocab, hidden]``, ``targets``: global
-    vocabulary ids. With a vocabulary sharded over ``vocab.group``, the row maximum, the sum of exponentials and the
-    target logit are all-reduced, and so is the hidden-state gradient (each rank's part covers its vocabulary rows).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, vocab: _Vocab, chunk_size: int):
-        needs_grad = any(ctx.needs_input_grad[:3])
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        local_targets = targets - vocab.start
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            chunk = hidden[rows]
-            logits = nn.functional.linear(chunk, weight, bias).float()
-            chunk_loss, grad_logits = _chunk_cross_entropy(logits, local_targets[rows], vocab.group, needs_grad)
-            total += chunk_loss
-            del logits  # the chunk's logits live in grad_logits now (in place); freed before the next chunk's
-            if grad_logits is None:
-                continue
-            grad_logits.mul_(scale)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
-            grad_weight.addmm_(grad_logits.t(), chunk.float())
-            grad_bias += grad_logits.sum(0)
-            del grad_logits
-        if grad_hidden is not None and vocab.group is not None:
-            dist.all_reduce(grad_hidden, group=vocab.group)
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else torch.empty(0),
-            grad_weight.to(weight.dtype) if grad_weight is not None else torch.empty(0),
-            grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else torch.empty(0),
-        )
-        ctx.has_bias = bias is not None
-        return total * scale
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        return (
-            grad_hidden * grad_output.to(grad_hidden.dtype) if needs[0] else None,
-            grad_weight * grad_output.to(grad_weight.dtype) if needs[1] else None,
-            grad_bias * grad_output.to(grad_bias.dtype) if needs[2] and ctx.has_bias else None,
-            None,
-            None,
-            None,
-            None,
-        )
-
-
-def _chunk_cross_entropy(
-    logits: torch.Tensor, local_targets: torch.Tensor, group: dist.ProcessGroup | None, needs_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The summed cross-entropy of one chunk of fp32 logits (this rank's vocabulary columns), and its gradient with
-    respect to those logits (``softmax - one_hot``), computed in place in the logits' memory."""
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    here = (local_targets >= 0) & (local_targets < logits.shape[1])
-    index = torch.where(here, local_targets, 0)
-    maximum = logits.max(dim=-1).values
-    if group is not None:
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
-    logits.sub_(maximum.unsqueeze(-1))
-    target_logit = torch.where(here, logits[rows, index], 0.0)
-    probabilities = logits.exp_()
-    normalizer = probabilities.sum(dim=-1)
-    if group is not None:
-        both = torch.stack([normalizer, target_logit])
-        dist.all_reduce(both, group=group)
-        normalizer, target_logit = both[0], both[1]
-    loss = (normalizer.log() - target_logit).sum()
-    if not needs_grad:
-        return loss, None
-    probabilities.div_(normalizer.unsqueeze(-1))
-    probabilities[rows[here], index[here]] -= 1.0
-    return loss, probabilities

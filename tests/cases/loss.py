@@ -1,4 +1,4 @@
-"""Rank-side cases for the chunked cross-entropy and the gradient-sync choice of ``train_step`` (run inside
+"""Rank-side cases for the fused linear cross-entropy and the gradient-sync choice of ``train_step`` (run inside
 ``tests.harness.RankPool`` workers)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from automodel.distributed import MeshContext
 from automodel.distributed.runtime import full_tensor
 from automodel.training.data import Example, pack_examples
 from automodel.training.loop import train_step
-from automodel.training.loss import ChunkedCrossEntropy
+from automodel.training.loss import FusedLinearCrossEntropy
 from tests.tiny_models import VOCAB, tiny_config
 
 CHUNK = 5  # divides neither the sequence nor the valid tokens: uneven chunks on every rank
@@ -43,8 +43,8 @@ def packed_micro_batches(context: MeshContext, *, rows: int = 8, seq_len: int = 
     ]
 
 
-def chunked_loss_parity(layout: dict[str, Any], architecture: str, **config: Any) -> dict[str, Any]:
-    """One training step's loss and every gradient (as full tensors) with the chunked loss vs the model's own loss,
+def fused_loss_parity(layout: dict[str, Any], architecture: str, **config: Any) -> dict[str, Any]:
+    """One training step's loss and every gradient (as full tensors) with the fused loss vs the model's own loss,
     on two identical parallelized models (``train_step``: token-weighted mean over the global batch)."""
     context = MeshContext.build(**layout)
     models = [
@@ -53,9 +53,12 @@ def chunked_loss_parity(layout: dict[str, Any], architecture: str, **config: Any
     ]
     for model in models:
         model.train()
-    batches = packed_micro_batches(context)
+    # One row per micro batch: every layout accumulates gradients over at least two micro batches.
+    batches = [
+        {key: value[i : i + 1] for key, value in pair.items()} for pair in packed_micro_batches(context) for i in (0, 1)
+    ]
     plain = train_step(models[0], batches, context)
-    chunked = train_step(models[1], batches, context, ChunkedCrossEntropy(CHUNK))
+    fused = train_step(models[1], batches, context, FusedLinearCrossEntropy(CHUNK))
     head_weight = models[1].get_output_embeddings().weight
     head_grad_norm = full_tensor(head_weight.grad).norm().item()
     reference = dict(models[0].named_parameters())
@@ -71,7 +74,8 @@ def chunked_loss_parity(layout: dict[str, Any], architecture: str, **config: Any
         logits = models[1](input_ids=batches[0]["input_ids"]).logits
     return {
         "loss": plain.item(),
-        "loss_difference": (plain - chunked).abs().item(),
+        "micro_batches": len(batches),
+        "loss_difference": (plain - fused).abs().item(),
         "grad": grads[worst],
         "worst_grad": worst,
         "grads": len(grads),
