@@ -24,7 +24,7 @@ from automodel.distributed.compile import (
     eager_block_classes,
 )
 from automodel.training.config import ConfigError, load_config
-from tests.cases.compile import compiled_parity
+from tests.cases.compile import compiled_parity, pipelined_compiled_parity
 
 TOLERANCE = 1e-4
 
@@ -54,6 +54,17 @@ def test_compiled_blocks_train_as_the_uncompiled_model(request, arch, world, lay
         assert result["names_kept"], result
         # After the first forward's one-shot checks, the blocks run as whole graphs.
         assert not result["steady_graph_breaks"], result
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_blocks_inside_pipeline_stages(ranks2):
+    """PP=2 with compiled blocks (each stage's blocks, after the stage split): the loss and every gradient of plain
+    transformers, and of a batch of another length (new stage buffers)."""
+    for rank, result in enumerate(ranks2.run(pipelined_compiled_parity, {"pp_size": 2}, timeout=900.0)):
+        assert result["loss"] <= TOLERANCE and result["grad"] <= TOLERANCE, f"rank {rank}: {result}"
+        assert result["other_shape_loss"] <= TOLERANCE and not result["no_grad"], result
+        assert result["graphs"] >= 1, result
 
 
 def _context(**fields):

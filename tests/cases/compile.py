@@ -62,3 +62,13 @@ def compiled_parity(layout: dict[str, Any], architecture: str = "llama", **confi
         "names_kept": [name for name, _ in models[True].named_parameters()]
         == [name for name, _ in models[False].named_parameters()],
     }
+
+
+def pipelined_compiled_parity(layout: dict[str, Any]) -> dict[str, Any]:
+    """``tests.cases.pipeline.pipeline_parity`` with compiled blocks, and how many graphs dynamo compiled."""
+    from tests.cases.pipeline import pipeline_parity
+
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    result = pipeline_parity("llama", {**layout, "compile": True})
+    return {**result, "graphs": counters["stats"]["unique_graphs"]}
