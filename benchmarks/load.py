@@ -197,7 +197,9 @@ def _local_tensors(loaded):
     return [p.to_local() if isinstance(p, DTensor) else p for p in [*loaded.parameters(), *loaded.buffers()]]
 
 
-def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory: str, tp_size: int, results) -> None:
+def _rank_main(
+    rank: int, world: int, rendezvous: str, contender: str, directory: str, tp_size: int, profile: bool, results
+) -> None:
     init_rank(rank, world, rendezvous)
     import torch
     import torch.distributed as dist
@@ -215,8 +217,11 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
     before = rss_bytes()
     reset_peak_rss()
     blocks = resource.getrusage(resource.RUSAGE_SELF).ru_inblock
+    profiler = _start_profile() if profile and rank == 0 else None
     start, cpu_start = time.perf_counter(), time.process_time()
     loaded = LOADERS[contender](Path(directory))
+    if profiler is not None:
+        profiler.disable()
     with torch.no_grad():
         # Every 1,024th element: one per page or more, so a lazy (memory-mapped) load pays for all its pages, without
         # a full-size float copy of the largest tensor in the peak memory (a bf16 tensor's sum upcasts it).
@@ -225,13 +230,35 @@ def _rank_main(rank: int, world: int, rendezvous: str, contender: str, directory
     peak = peak_rss_bytes()
     disk = (resource.getrusage(resource.RUSAGE_SELF).ru_inblock - blocks) * 512
     local_bytes = sum(t.numel() * t.element_size() for t in _local_tensors(loaded))
-    results.put((rank, (seconds, peak - before, local_bytes, checksum, cpu, disk)))
+    results.put((rank, (seconds, peak - before, local_bytes, checksum, cpu, disk, _profile_text(profiler))))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _start_profile():
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _profile_text(profiler, top: int = 40) -> str | None:
+    """Rank 0's load under ``cProfile``: the functions with the most time of their own and the most time in all."""
+    if profiler is None:
+        return None
+    import io
+    import pstats
+
+    stream = io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return stream.getvalue()
+
+
 def measure(
-    directory: Path, contenders: list[str], world: int, repeats: int, tp_size: int = 1
+    directory: Path, contenders: list[str], world: int, repeats: int, tp_size: int = 1, profile: bool = False
 ) -> dict[str, dict[str, float]]:
     """Each contender's worst rank, median over ``repeats`` runs (contenders interleaved run by run, so that a burst
     of load on the machine hits all of them alike)."""
@@ -239,7 +266,9 @@ def measure(
     for _ in range(repeats):
         for contender in contenders:
             _warm_page_cache(directory)
-            runs[contender].append(run_ranks(_rank_main, world, contender, str(directory), tp_size))
+            runs[contender].append(run_ranks(_rank_main, world, contender, str(directory), tp_size, profile))
+            if profile and runs[contender][-1][0][6]:
+                print(f"--- {contender}, rank 0 under cProfile ---\n{runs[contender][-1][0][6]}", flush=True)
     return {
         contender: {
             "seconds": statistics.median(max(row[0] for row in run) for run in rows),
@@ -293,6 +322,7 @@ def main() -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--shape", choices=["llama", "llama3-3b"], default="llama", help="llama: fp32, --size-gb")
     parser.add_argument("--tp", type=int, default=1, help="automodel's tp_size (FSDP2 x TP)")
+    parser.add_argument("--profile", action="store_true", help="print rank 0's load under cProfile (each run)")
     args = parser.parse_args()
     contenders = args.contenders.split(",")
     unknown = set(contenders) - set(CONTENDERS)
@@ -314,7 +344,7 @@ def main() -> None:
             f"\ncheckpoint: {directory} ({size / 1e9:.2f} GB), {args.nproc} CPU ranks ({layout}), page cache warm",
             flush=True,
         )
-        by_size[size / 1e9] = measure(directory, contenders, args.nproc, args.repeats, args.tp)
+        by_size[size / 1e9] = measure(directory, contenders, args.nproc, args.repeats, args.tp, args.profile)
         print_table(by_size[size / 1e9])
     if len(by_size) < 2:
         return

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .direct_read import SAFETENSORS_DTYPES, SafetensorsHeader, byte_runs, read_header, read_runs, spanned_bytes
+from .direct_read import SAFETENSORS_DTYPES, SafetensorsHeader, byte_runs, read_header, spanned_bytes
+from .reader import read_runs
 
 __all__ = [
     "CheckpointError",
@@ -119,11 +120,13 @@ class CheckpointFiles:
         self.bytes_spanned += tensor.numel() * tensor.element_size()
         return tensor
 
-    def read_into(self, key: str, slices: tuple[slice, ...], out: torch.Tensor) -> bool:
-        """Fill the contiguous ``out`` with ``stored[key][slices]`` by positioned reads of the byte runs that box is
-        made of, cast while copied where the dtypes differ (see ``direct_read``). Returns False, having done nothing,
-        where it cannot (a ``.bin`` checkpoint, an accelerator tensor, a dtype this torch lacks)."""
-        if self.kind != "safetensors" or out.device.type != "cpu" or not out.is_contiguous():
+    def read_into(self, key: str, slices: tuple[slice, ...], out: torch.Tensor, *, defer: bool = False) -> bool:
+        """Fill the contiguous ``out`` (host memory or an accelerator's) with ``stored[key][slices]`` by positioned
+        reads of the byte runs that box is made of, cast while copied where the dtypes differ (see ``direct_read``).
+        With ``defer``, inside ``reader.parallel_reads``, the reads are queued to its reader threads and done when
+        that block exits. Returns False, having done nothing, where it cannot (a ``.bin`` checkpoint, a dtype this
+        torch lacks)."""
+        if self.kind != "safetensors" or not out.is_contiguous() or out.device.type == "meta":
             return False
         filename = self.key_to_file[key]
         entry = self._entry(key)
@@ -133,10 +136,13 @@ class CheckpointFiles:
         offsets, length = runs
         if filename not in self._descriptors:
             self._descriptors[filename] = os.open(self.directory / filename, os.O_RDONLY)
+        what = f"{key!r} from {self.directory / filename}"
         try:
-            self.bytes_spanned += read_runs(self._descriptors[filename], offsets, length, entry.dtype, out)
+            self.bytes_spanned += read_runs(
+                self._descriptors[filename], offsets, length, entry.dtype, out, what=what, defer=defer
+            )
         except OSError as error:
-            raise CheckpointError(f"Reading {key!r} from {self.directory / filename} failed: {error}") from error
+            raise CheckpointError(f"Reading {what} failed: {error}") from error
         self.bytes_read += len(offsets) * length
         return True
 

@@ -1,37 +1,39 @@
-"""Read a box of a safetensors tensor (one ``[start, stop)`` range per dim) straight into the destination shard with
-positioned reads (``os.preadv``).
+"""Read a box of a safetensors tensor (one ``[start, stop)`` range per dim) as the byte runs it is made of, with
+positioned reads (``os.preadv``), cut into chunks that reader threads take one at a time (``reader``).
 
 Why not ``safe_open(...).get_slice``: its slices are views of a memory map, so copying them into a parameter keeps
 both the mapped file pages and the copy resident during the load (about twice the shard size of host memory) and costs
 a page fault per 4 KiB twice. For a box that is not contiguous in the file it is worse: a dim-1 shard (a rowwise TP
 weight) touches the pages of its whole row band, TP times its own bytes (3.75x the local shards in host memory for a
-70B model under FSDP2 x TP=8). Here the box is read as the contiguous byte runs it is made of, each straight into its
-place in the parameter's storage when the dtypes match, or through a bounded staging buffer that is cast while it is
-copied when they do not: host memory grows by the local shard plus at most ``STAGING_BYTES``.
+70B model under FSDP2 x TP=8). Here each run lands straight in its place: in the parameter's storage when it is host
+memory of the stored dtype, else in a bounded staging buffer that is then cast or copied to the device. Runs close
+together (the rows of a column band) are one ``preadv`` with many buffers, the gaps between them read into a scratch
+buffer: one system call per block of rows, no copy out of a staging buffer, host memory the local shard plus the
+scratch.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import struct
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "MAX_GAP",
     "SAFETENSORS_DTYPES",
+    "SPAN_AMPLIFICATION",
     "STAGING_BYTES",
+    "ReadChunk",
     "SafetensorsHeader",
     "byte_runs",
+    "plan_chunks",
+    "read_chunk",
     "read_header",
     "read_into",
-    "read_runs",
     "spanned_bytes",
 ]
 
@@ -115,136 +117,145 @@ def byte_runs(entry: TensorEntry, slices: tuple[slice, ...]) -> tuple[torch.Tens
     return offsets, length
 
 
-#: The most a read holds besides its destination: short runs are read in spans of at most this many bytes, and a cast
-#: read stages its bytes here before casting them into place.
+#: The most one read chunk moves: a reader thread's unit of work, and the size of a staging buffer (a cast read, or
+#: any read for an accelerator, goes through one; a read of the same dtype into host memory goes straight to its place).
 STAGING_BYTES = 16 << 20
-#: Short runs close together (a dim-1 shard's rows) are read as one span when the span is at most this many times the
-#: bytes wanted: thousands of small reads cost more than reading past the gaps (44 us per 2 KiB read against 0.5 us
-#: per KiB copied from the page cache: the rowwise weights of a 70B model under TP=8 read row by row took 7 s).
+#: Short runs close together (a dim-1 shard's rows) are read by one ``preadv`` whose gaps land in a scratch buffer,
+#: when a gap is at most ``SPAN_AMPLIFICATION - 1`` times the run (and at most ``MAX_GAP`` bytes): thousands of small
+#: reads cost more than reading past the gaps (5-7 us per 2 KiB read against 3.5 us per 16 KiB row read this way, and
+#: 12 us through a staging buffer copied out row by row).
 SPAN_AMPLIFICATION = 16
+MAX_GAP = 128 << 10
+_IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
-def read_runs(fd: int, offsets: torch.Tensor, length: int, dtype: torch.dtype, out: torch.Tensor) -> int:
-    """Fill the contiguous CPU tensor ``out`` with the byte runs at ``offsets`` (ascending, each ``length`` bytes of
-    ``dtype``, in order), cast while copied when ``out``'s dtype differs. Long runs of the same dtype are read
-    straight into ``out``; short runs close together are read as spans through a buffer of at most
-    ``STAGING_BYTES`` and copied out of it, the next span being read (by a reader thread: ``preadv`` and the copy
-    both release the GIL) while the last one is copied. Host memory beyond ``out``: two such buffers. Returns the
-    bytes read from the file (the gaps inside spans included)."""
+@dataclass(frozen=True)
+class ReadChunk:
+    """One unit of a reader's work: byte runs of one file, grouped into one ``preadv`` each, whose bytes are
+    ``out``'s elements back to back (``out`` is flat and contiguous, in host memory or on an accelerator; ``dtype`` is
+    the stored dtype, cast on the way where ``out``'s differs). ``what`` names the tensor and file for errors."""
+
+    fd: int
+    calls: tuple[tuple[tuple[int, int], ...], ...]  # per preadv: its runs (file offset, bytes), ascending
+    dtype: torch.dtype
+    out: torch.Tensor
+    what: str
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the runs (what ``out`` receives, before a cast)."""
+        return sum(size for call in self.calls for _, size in call)
+
+    @property
+    def spanned(self) -> int:
+        """The bytes read from the file: the runs and the gaps read past inside one call."""
+        return sum(call[-1][0] + call[-1][1] - call[0][0] for call in self.calls)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the runs can be read straight into ``out`` (host memory of the stored dtype)."""
+        return self.out.device.type == "cpu" and self.out.dtype == self.dtype
+
+
+def plan_chunks(
+    fd: int, offsets: torch.Tensor, length: int, dtype: torch.dtype, out: torch.Tensor, what: str = ""
+) -> list[ReadChunk]:
+    """The byte runs at ``offsets`` (ascending, ``length`` bytes each of ``dtype``) cut into chunks of at most
+    ``STAGING_BYTES`` (a longer run into pieces, at element bounds) and ``_IOV_MAX // 2`` runs, each with its part of
+    the contiguous ``out``."""
     if length == 0 or len(offsets) == 0:
-        return 0
-    element = torch.tensor([], dtype=dtype).element_size()
-    target = out.detach().view(-1)
-    position = 0  # elements of `out` filled so far
-    staged: list[tuple[int, int, Callable[[torch.Tensor], None]]] = []  # (file offset, bytes, copy out of the buffer)
-    read = 0
-    for group in _spans(offsets.tolist(), length):
-        count = len(group) * length // element
-        destination = target[position : position + count]
-        position += count
-        read += group[-1] + length - group[0]
-        if len(group) == 1 and out.dtype == dtype:
-            read_into(fd, group[0], length, destination)
-        elif len(group) == 1:  # one long run, cast: in pieces of the buffer
-            piece = max(element, STAGING_BYTES // element * element)
-            for start in range(0, length, piece):
-                size = min(piece, length - start)
-                part = destination[start // element : (start + size) // element]
-                staged.append((group[0] + start, size, partial(_cast_into, part, dtype)))
-        else:
-            starts = [offset - group[0] for offset in group]
-            staged.append(
-                (group[0], group[-1] + length - group[0], partial(_runs_into, destination, starts, length, dtype))
-            )
-    _read_staged(fd, staged)
-    return read
+        return []
+    element = dtype.itemsize
+    limit = max(element, STAGING_BYTES // element * element)
+    target = out.detach().reshape(-1)
+    chunks: list[ReadChunk] = []
+    runs: list[tuple[int, int]] = []
+    position = filled = 0  # elements of `out` handed out / in `runs`
 
+    def flush() -> None:
+        nonlocal position, filled, runs
+        if runs:
+            part = target[position : position + filled]
+            chunks.append(ReadChunk(fd, _calls(runs), dtype, part, what))
+            position += filled
+            filled, runs = 0, []
 
-def _read_staged(fd: int, staged: list[tuple[int, int, Callable[[torch.Tensor], None]]]) -> None:
-    """Read each (offset, size) into a staging buffer and hand it to its copy, two buffers in flight."""
-    if not staged:
-        return
-    buffers = _staging_buffers()
-
-    def fetch(index: int):
-        offset, size, _ = staged[index]
-        return _reader().submit(read_into, fd, offset, size, buffers[index % 2][:size])
-
-    pending = fetch(0)
-    for index, (_, size, copy_out) in enumerate(staged):
-        pending.result()
-        following = fetch(index + 1) if index + 1 < len(staged) else None
-        copy_out(buffers[index % 2][:size])
-        pending = following
-
-
-def _staging_buffers() -> list[torch.Tensor]:
-    """The two staging buffers, allocated once per process: fresh ones per tensor cost a page fault per 4 KiB of
-    them every time (about 8,000 per read), more than the copies they serve."""
-    global _BUFFERS
-    if _BUFFERS is None or _BUFFERS[0].numel() != STAGING_BYTES:
-        _BUFFERS = [torch.empty(STAGING_BYTES, dtype=torch.uint8) for _ in range(2)]
-    return _BUFFERS
-
-
-_BUFFERS: list[torch.Tensor] | None = None
-
-
-def _reader() -> ThreadPoolExecutor:
-    global _READER
-    if _READER is None:
-        _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="automodel-read")
-    return _READER
-
-
-_READER: ThreadPoolExecutor | None = None
-
-
-def _cast_into(destination: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor) -> None:
-    destination.copy_(buffer.view(dtype))
-
-
-def _runs_into(
-    destination: torch.Tensor, starts: list[int], length: int, dtype: torch.dtype, span: torch.Tensor
-) -> None:
-    runs = _runs_of(span, starts, length)
-    if destination.dtype == dtype:
-        destination.view(torch.uint8).view(len(starts), length).copy_(runs)
+    if length <= limit:
+        for offset in offsets.tolist():
+            if runs and (filled * element + length > limit or len(runs) >= _IOV_MAX // 2):
+                flush()
+            runs.append((offset, length))
+            filled += length // element
     else:
-        destination.copy_(runs.contiguous().view(-1).view(dtype))
+        for offset in offsets.tolist():
+            for start in range(0, length, limit):
+                flush()
+                runs.append((offset + start, min(limit, length - start)))
+                filled += runs[-1][1] // element
+    flush()
+    return chunks
+
+
+def read_chunk(chunk: ReadChunk, target: memoryview) -> None:
+    """Read ``chunk``'s runs back to back into ``target`` (``chunk.nbytes`` bytes of host memory): one ``preadv``
+    per call, the gaps inside it read into a scratch buffer nobody reads."""
+    position = 0
+    for call in chunk.calls:
+        buffers, end = [], call[0][0]
+        for offset, size in call:
+            if offset > end:
+                buffers.append(_scratch(offset - end))
+            buffers.append(target[position : position + size])
+            position, end = position + size, offset + size
+        _preadv_all(chunk.fd, buffers, call[0][0])
 
 
 def spanned_bytes(offsets: torch.Tensor, length: int) -> int:
-    """The bytes :func:`read_runs` reads from the file for these runs (the gaps inside coalesced spans included)."""
-    if length == 0:
+    """The bytes :func:`read_chunk` reads from the file for these runs (the gaps read past included)."""
+    if length == 0 or len(offsets) == 0:
         return 0
-    return sum(group[-1] + length - group[0] for group in _spans(offsets.tolist(), length))
+    probe = torch.empty(len(offsets) * length, dtype=torch.uint8, device="meta")
+    return sum(chunk.spanned for chunk in plan_chunks(-1, offsets, length, torch.uint8, probe))
 
 
-def _spans(offsets: list[int], length: int) -> list[list[int]]:
-    """``offsets`` grouped into spans read at once: consecutive short runs whose span fits ``STAGING_BYTES`` and is
-    at most ``SPAN_AMPLIFICATION`` times their bytes; a run of ``STAGING_BYTES`` or more is a group of its own."""
-    groups: list[list[int]] = []
-    for offset in offsets:
-        group = groups[-1] if groups else None
-        if group is not None and length < STAGING_BYTES:
-            span = offset + length - group[0]
-            if span <= STAGING_BYTES and span <= SPAN_AMPLIFICATION * length * (len(group) + 1):
-                group.append(offset)
-                continue
-        groups.append([offset])
-    return groups
+def _calls(runs: list[tuple[int, int]]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``runs`` grouped into one ``preadv`` each: a run joins the last group when the gap before it is at most
+    ``SPAN_AMPLIFICATION - 1`` times its bytes and at most ``MAX_GAP`` (a chunk's runs fit one call's buffers)."""
+    calls: list[list[tuple[int, int]]] = []
+    end = -1
+    for offset, size in runs:
+        gap = offset - end
+        if end >= 0 and 0 <= gap <= min(MAX_GAP, (SPAN_AMPLIFICATION - 1) * size):
+            calls[-1].append((offset, size))
+        else:
+            calls.append([(offset, size)])
+        end = offset + size
+    return tuple(map(tuple, calls))
 
 
-def _runs_of(span: torch.Tensor, starts: list[int], length: int) -> torch.Tensor:
-    """The runs at byte ``starts`` of ``span``, as a (runs, length) uint8 tensor: a strided view when the runs are
-    evenly spaced (rows of a box), a gathered copy otherwise."""
-    if len(starts) == 1:
-        return span[starts[0] : starts[0] + length].view(1, length)
-    stride = starts[1] - starts[0]
-    if all(b - a == stride for a, b in itertools.pairwise(starts)):
-        return span[starts[0] :].as_strided((len(starts), length), (stride, 1))
-    return torch.stack([span[start : start + length] for start in starts])
+def _preadv_all(fd: int, buffers: list[memoryview], offset: int) -> None:
+    """``preadv`` until every buffer is full (a read may stop short)."""
+    while buffers:
+        count = os.preadv(fd, buffers, offset)
+        if count <= 0:
+            raise OSError(f"unexpected end of file at byte {offset}")
+        offset += count
+        while buffers and count >= buffers[0].nbytes:
+            count -= buffers[0].nbytes
+            buffers = buffers[1:]
+        if buffers and count:
+            buffers = [buffers[0][count:], *buffers[1:]]
+
+
+def _scratch(size: int) -> memoryview:
+    """``size`` bytes that gaps are read into (shared: nothing reads them)."""
+    global _SCRATCH
+    if _SCRATCH is None or len(_SCRATCH) < size:
+        _SCRATCH = memoryview(bytearray(max(size, MAX_GAP)))
+    return _SCRATCH[:size]
+
+
+_SCRATCH: memoryview | None = None
 
 
 def read_into(fd: int, offset: int, length: int, out: torch.Tensor) -> None:

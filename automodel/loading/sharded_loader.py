@@ -14,6 +14,7 @@ from automodel.distributed.runtime import progress_bars_disabled
 
 from .initialization import local_view
 from .placements import local_indices
+from .reader import parallel_reads
 from .sources import Source
 
 __all__ = ["LoadReport", "count_reads", "load_into", "peak_rss_bytes", "state_tensors"]
@@ -57,23 +58,18 @@ def state_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = True) -> int:
     """Read this rank's part of every tensor in ``sources`` and copy it (cast to the model's dtype) in place.
 
-    Shapes were checked by the caller. Returns the number of tensors loaded.
+    The reads of safetensors files are planned tensor by tensor and done by the reader threads meanwhile
+    (``reader.parallel_reads``: straight into host shards, through reused pinned buffers and a side stream into
+    device shards); every read and copy is done when this returns. Shapes were checked by the caller. Returns the
+    number of tensors loaded.
     """
     targets = [(name, tensor) for name, tensor in state_tensors(model) if name in sources]
     disable = progress_bars_disabled() if progress else True
     bar = tqdm(targets, desc="Loading weights", unit="tensor", disable=disable, leave=False)
-    with torch.no_grad():
+    device = next((local_view(t).device for _, t in targets), torch.device("cpu"))
+    with torch.no_grad(), parallel_reads(device):
         for name, tensor in bar:
-            local = local_view(tensor)
-            if local.device.type == "cpu":
-                sources[name].read_into(local_indices(tensor), local)
-            else:
-                # Files are read into host memory; an accelerator's shard is filled from a host copy of it.
-                staging = torch.empty(local.shape, dtype=local.dtype, pin_memory=torch.cuda.is_available())
-                sources[name].read_into(local_indices(tensor), staging)
-                local.copy_(staging, non_blocking=True)
-    if any(t.device.type == "cuda" for _, t in targets):
-        torch.cuda.synchronize()  # the pinned staging buffers must outlive their copies
+            sources[name].read_into(local_indices(tensor), local_view(tensor))
     return len(targets)
 
 

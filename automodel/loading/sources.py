@@ -51,16 +51,17 @@ class StoredTensor:
         if dtype is None:
             return self._read_runs([to_runs(dim_indices) for dim_indices in indices])
         out = torch.empty([len(dim_indices) for dim_indices in indices], dtype=dtype)
-        self.read_into(indices, out)
+        self._read_runs_into([to_runs(dim_indices) for dim_indices in indices], out)
         return out
 
     def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
-        self._read_runs_into([to_runs(dim_indices) for dim_indices in indices], out)
+        # `out` is a final destination: inside `reader.parallel_reads` its reads may be queued to the reader threads.
+        self._read_runs_into([to_runs(dim_indices) for dim_indices in indices], out, defer=True)
 
-    def _read_runs_into(self, runs: list[list[tuple[int, int]]], out: torch.Tensor) -> None:
+    def _read_runs_into(self, runs: list[list[tuple[int, int]]], out: torch.Tensor, *, defer: bool = False) -> None:
         """One box per combination of runs, each read straight into its part of ``out`` (through a temporary of
         that part's size where the part is not contiguous in ``out``), so memory never holds more than the shard
-        and one part."""
+        and one part. ``defer``: reads into ``out`` itself may be queued (see ``CheckpointFiles.read_into``)."""
         split = next((dim for dim, dim_runs in enumerate(runs) if len(dim_runs) > 1), None)
         if split is None:
             slices = tuple(slice(*dim_runs[0]) if dim_runs else slice(0, 0) for dim_runs in runs)
@@ -68,15 +69,16 @@ class StoredTensor:
                 self.files.count(self.key, slices)
             elif not out.is_contiguous():
                 part = torch.empty(out.shape, dtype=out.dtype)
-                self._read_runs_into(runs, part)
+                self._read_runs_into(runs, part)  # read now: it is copied on at once
                 out.copy_(part)
-            elif not self.files.read_into(self.key, slices, out):
+            elif not self.files.read_into(self.key, slices, out, defer=defer):
                 out.copy_(self.files.read_slice(self.key, slices))
             return
         position = 0
         for run in runs[split]:
             count = run[1] - run[0]
-            self._read_runs_into([*runs[:split], [run], *runs[split + 1 :]], out.narrow(split, position, count))
+            part = out.narrow(split, position, count)
+            self._read_runs_into([*runs[:split], [run], *runs[split + 1 :]], part, defer=defer)
             position += count
 
     def _read_runs(self, runs: list[list[tuple[int, int]]]) -> torch.Tensor:
