@@ -351,6 +351,7 @@ def main() -> None:
     parser.add_argument("--load", action="store_true", help="also from_pretrained on a header-only checkpoint")
     parser.add_argument("--checkpoints", default="/tmp/automodel-scale-checkpoints")
     parser.add_argument("--json", default="", help="write the rows to this file")
+    parser.add_argument("--ranks", default="first,last", help="simulated ranks: first, last, or numbers")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
@@ -368,7 +369,8 @@ def main() -> None:
                 divisor = math.lcm(layout.get("tp_size", 1), layout.get("ep_size", 1))
                 if world % divisor or world < divisor:
                     continue
-                for rank in sorted({0, world - 1}):
+                named = {"first": 0, "last": world - 1}
+                for rank in sorted({named.get(r, None) if r in named else int(r) for r in args.ranks.split(",")}):
                     row = run_case(model, layout_name, world, rank, checkpoint)
                     rows.append(row)
                     print_rows([row])

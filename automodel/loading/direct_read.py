@@ -14,6 +14,7 @@ scratch.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
@@ -125,31 +126,31 @@ STAGING_BYTES = 16 << 20
 #: reads cost more than reading past the gaps (5-7 us per 2 KiB read against 3.5 us per 16 KiB row read this way, and
 #: 12 us through a staging buffer copied out row by row).
 SPAN_AMPLIFICATION = 16
-MAX_GAP = 128 << 10
+MAX_GAP = 16 << 10
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
 @dataclass(frozen=True)
 class ReadChunk:
-    """One unit of a reader's work: byte runs of one file, grouped into one ``preadv`` each, whose bytes are
-    ``out``'s elements back to back (``out`` is flat and contiguous, in host memory or on an accelerator; ``dtype`` is
-    the stored dtype, cast on the way where ``out``'s differs). ``what`` names the tensor and file for errors."""
+    """One unit of a reader's work: runs of ``length`` bytes at ``offsets`` (ascending) in one file, whose bytes are
+    ``out``'s elements back to back (``out`` is flat and contiguous, in host memory or on an accelerator; ``dtype``
+    is the stored dtype, cast on the way where ``out``'s differs). Each index of ``calls`` starts one ``preadv``
+    that reads the runs up to the next one, the gaps between them included (``spanned`` bytes in all). ``what``
+    names the tensor and file for errors."""
 
     fd: int
-    calls: tuple[tuple[tuple[int, int], ...], ...]  # per preadv: its runs (file offset, bytes), ascending
+    offsets: list[int]
+    length: int
+    calls: list[int]
+    spanned: int
     dtype: torch.dtype
     out: torch.Tensor
-    what: str
+    what: str = ""
 
     @property
     def nbytes(self) -> int:
         """The bytes of the runs (what ``out`` receives, before a cast)."""
-        return sum(size for call in self.calls for _, size in call)
-
-    @property
-    def spanned(self) -> int:
-        """The bytes read from the file: the runs and the gaps read past inside one call."""
-        return sum(call[-1][0] + call[-1][1] - call[0][0] for call in self.calls)
+        return len(self.offsets) * self.length
 
     @property
     def direct(self) -> bool:
@@ -162,52 +163,71 @@ def plan_chunks(
 ) -> list[ReadChunk]:
     """The byte runs at ``offsets`` (ascending, ``length`` bytes each of ``dtype``) cut into chunks of at most
     ``STAGING_BYTES`` (a longer run into pieces, at element bounds) and ``_IOV_MAX // 2`` runs, each with its part of
-    the contiguous ``out``."""
+    the contiguous ``out``. Computed with tensor ops: a column band of a large weight is thousands of runs."""
     if length == 0 or len(offsets) == 0:
         return []
     element = dtype.itemsize
     limit = max(element, STAGING_BYTES // element * element)
     target = out.detach().reshape(-1)
-    chunks: list[ReadChunk] = []
-    runs: list[tuple[int, int]] = []
-    position = filled = 0  # elements of `out` handed out / in `runs`
-
-    def flush() -> None:
-        nonlocal position, filled, runs
-        if runs:
-            part = target[position : position + filled]
-            chunks.append(ReadChunk(fd, _calls(runs), dtype, part, what))
-            position += filled
-            filled, runs = 0, []
-
-    if length <= limit:
-        for offset in offsets.tolist():
-            if runs and (filled * element + length > limit or len(runs) >= _IOV_MAX // 2):
-                flush()
-            runs.append((offset, length))
-            filled += length // element
-    else:
+    if length > limit:  # each run in pieces, one chunk each
+        chunks, position = [], 0
         for offset in offsets.tolist():
             for start in range(0, length, limit):
-                flush()
-                runs.append((offset + start, min(limit, length - start)))
-                filled += runs[-1][1] // element
-    flush()
+                size = min(limit, length - start)
+                part = target[position : position + size // element]
+                chunks.append(ReadChunk(fd, [offset + start], size, [0], size, dtype, part, what))
+                position += size // element
+        return chunks
+    count = len(offsets)
+    per_chunk = max(1, min(_IOV_MAX // 2, limit // length))
+    gaps = offsets[1:] - offsets[:-1] - length
+    starts = torch.ones(count, dtype=torch.bool)
+    starts[1:] = (gaps < 0) | (gaps > min(MAX_GAP, (SPAN_AMPLIFICATION - 1) * length))
+    starts[::per_chunk] = True
+    # Bytes read past inside calls, cumulated: a chunk's span is its runs plus the difference at its ends.
+    read_past = torch.zeros(count, dtype=torch.int64)
+    read_past[1:] = torch.where(starts[1:], 0, gaps).cumsum(0)
+    past = read_past.tolist()
+    call_starts = torch.nonzero(starts).flatten().tolist()
+    flat = offsets.tolist()
+    chunks = []
+    per_run = length // element
+    for first in range(0, count, per_chunk):
+        last = min(count, first + per_chunk)
+        lo, hi = bisect.bisect_left(call_starts, first), bisect.bisect_left(call_starts, last)
+        calls = list(range(last - first)) if hi - lo == last - first else [c - first for c in call_starts[lo:hi]]
+        spanned = (last - first) * length + past[last - 1] - past[first]
+        part = target[first * per_run : last * per_run]
+        chunks.append(ReadChunk(fd, flat[first:last], length, calls, spanned, dtype, part, what))
     return chunks
 
 
 def read_chunk(chunk: ReadChunk, target: memoryview) -> None:
     """Read ``chunk``'s runs back to back into ``target`` (``chunk.nbytes`` bytes of host memory): one ``preadv``
     per call, the gaps inside it read into a scratch buffer nobody reads."""
-    position = 0
-    for call in chunk.calls:
-        buffers, end = [], call[0][0]
-        for offset, size in call:
-            if offset > end:
-                buffers.append(_scratch(offset - end))
-            buffers.append(target[position : position + size])
-            position, end = position + size, offset + size
-        _preadv_all(chunk.fd, buffers, call[0][0])
+    offsets, length, fd = chunk.offsets, chunk.length, chunk.fd
+    if len(chunk.calls) == len(offsets):  # no gap read past: one read per run (wide rows, or one run)
+        for index, offset in enumerate(offsets):
+            _preadv_all(fd, [target[index * length : (index + 1) * length]], offset, length)
+        return
+    ends = [*chunk.calls[1:], len(offsets)]
+    for first, last in zip(chunk.calls, ends, strict=True):
+        views = [target[index * length : (index + 1) * length] for index in range(first, last)]
+        span = offsets[last - 1] + length - offsets[first]
+        stride = offsets[first + 1] - offsets[first] if last - first > 1 else length
+        if stride == length:  # adjacent runs: one buffer
+            buffers = [target[first * length : last * length]]
+        elif span == (last - first - 1) * stride + length:  # evenly spaced: the rows of a box
+            buffers = [_scratch(stride - length)] * (2 * len(views) - 1)
+            buffers[::2] = views
+        else:
+            buffers = [views[0]]
+            for index in range(first + 1, last):
+                gap = offsets[index] - offsets[index - 1] - length
+                if gap:
+                    buffers.append(_scratch(gap))
+                buffers.append(views[index - first])
+        _preadv_all(fd, buffers, offsets[first], span)
 
 
 def spanned_bytes(offsets: torch.Tensor, length: int) -> int:
@@ -218,33 +238,24 @@ def spanned_bytes(offsets: torch.Tensor, length: int) -> int:
     return sum(chunk.spanned for chunk in plan_chunks(-1, offsets, length, torch.uint8, probe))
 
 
-def _calls(runs: list[tuple[int, int]]) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """``runs`` grouped into one ``preadv`` each: a run joins the last group when the gap before it is at most
-    ``SPAN_AMPLIFICATION - 1`` times its bytes and at most ``MAX_GAP`` (a chunk's runs fit one call's buffers)."""
-    calls: list[list[tuple[int, int]]] = []
-    end = -1
-    for offset, size in runs:
-        gap = offset - end
-        if end >= 0 and 0 <= gap <= min(MAX_GAP, (SPAN_AMPLIFICATION - 1) * size):
-            calls[-1].append((offset, size))
-        else:
-            calls.append([(offset, size)])
-        end = offset + size
-    return tuple(map(tuple, calls))
-
-
-def _preadv_all(fd: int, buffers: list[memoryview], offset: int) -> None:
-    """``preadv`` until every buffer is full (a read may stop short)."""
-    while buffers:
-        count = os.preadv(fd, buffers, offset)
+def _preadv_all(fd: int, buffers: list[memoryview], offset: int, total: int) -> None:
+    """``preadv`` until every buffer (``total`` bytes together) is full: a read may stop short."""
+    count = os.preadv(fd, buffers, offset)
+    if count == total:
+        return
+    index = 0
+    while True:
         if count <= 0:
             raise OSError(f"unexpected end of file at byte {offset}")
-        offset += count
-        while buffers and count >= buffers[0].nbytes:
-            count -= buffers[0].nbytes
-            buffers = buffers[1:]
-        if buffers and count:
-            buffers = [buffers[0][count:], *buffers[1:]]
+        offset, total = offset + count, total - count
+        if total == 0:
+            return
+        while count >= buffers[index].nbytes:
+            count -= buffers[index].nbytes
+            index += 1
+        buffers = [buffers[index][count:], *buffers[index + 1 :]]
+        index = 0
+        count = os.preadv(fd, buffers, offset)
 
 
 def _scratch(size: int) -> memoryview:

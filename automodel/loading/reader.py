@@ -178,10 +178,11 @@ def _host_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 @contextlib.contextmanager
-def parallel_reads(device: torch.device | str, threads: int = READER_THREADS) -> Iterator[ParallelReader]:
+def parallel_reads(device: torch.device | str, threads: int | None = None) -> Iterator[ParallelReader]:
     """Within the block, safetensors reads into final destinations (``read_runs(..., defer=True)``) go to one
-    :class:`ParallelReader`; they are all done, and their device copies too, when the block exits."""
-    reader = ParallelReader(device, threads)
+    :class:`ParallelReader` with ``threads`` reader threads (default ``READER_THREADS``); they are all done, and their
+    device copies too, when the block exits."""
+    reader = ParallelReader(device, READER_THREADS if threads is None else threads)
     token = _ACTIVE.set(reader)
     try:
         yield reader
@@ -248,7 +249,7 @@ def floor_seconds(files: Sequence[str | Path], device: torch.device | str, threa
             fd, offset, size = piece
             buffer = pool.take()
             try:
-                chunk = ReadChunk(fd, (((offset, size),),), torch.uint8, buffer[:size], "floor")
+                chunk = ReadChunk(fd, [offset], size, [0], size, torch.uint8, buffer[:size], "floor")
                 read_chunk(chunk, _host_bytes(buffer[:size]))
             finally:
                 pool.give(buffer)
