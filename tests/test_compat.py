@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
+import torch.distributed as dist
 import transformers
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import automodel._compat.torch as compat_torch
 import automodel._compat.transformers as compat_transformers
@@ -104,3 +108,27 @@ def test_plan_lookup_matches_transformers() -> None:
     assert compat_transformers.replace_layer_number_by_wildcard("model.layers.12.mlp") == "model.layers.*.mlp"
     assert compat_transformers.get_parameter_plan("model.layers.3.self_attn.q_proj.weight", plan) == "colwise"
     assert compat_transformers.get_parameter_plan("model.layers.3.mlp.up_proj.weight", plan) is None
+
+
+def test_fsdp_param_groups_reads_each_units_group() -> None:
+    """The shim over FSDP2's parameter groups (one optional ``_fsdp_param_group`` to torch 2.11, the list
+    ``_fsdp_param_groups`` from 2.12): a unit with parameters has its one group, a unit without has none, and
+    ``fsdp_sizes`` reads the groups' padded shards and all-gathers (fp32 on 2 simulated ranks)."""
+    dist.init_process_group("fake", rank=0, world_size=2, store=compat_torch.FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+        for unit in (model[0], model[1], model):
+            fully_shard(unit, mesh=mesh)
+        (first,) = compat_torch.fsdp_param_groups(model[0])
+        (root,) = compat_torch.fsdp_param_groups(model)
+        assert compat_torch.fsdp_param_groups(model[1]) == []
+        assert [p.sharded_param for p in first.fsdp_params] == [model[0].weight, model[0].bias]
+        assert [p.sharded_param for p in root.fsdp_params] == [model[2].weight, model[2].bias]
+        assert not first.is_unsharded and not root.is_unsharded
+        padded, largest_gather = compat_torch.fsdp_sizes(model)
+    finally:
+        dist.destroy_process_group()
+    shard_elements = {model[0].weight: 3 * 4, model[0].bias: 3, model[2].weight: 1 * 6, model[2].bias: 1}
+    assert padded == {id(param): elements * 4 for param, elements in shard_elements.items()}
+    assert largest_gather == (3 * 4 + 3) * 2 * 4

@@ -11,12 +11,15 @@ ecosystem do; it has not changed since torch 1.0.
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from .versions import MissingSymbolError, private_symbol
@@ -35,8 +38,10 @@ __all__ = [
     "fsdp_param_groups",
     "fsdp_sizes",
     "fsdp_state",
+    "full_tensor",
     "is_to_local_view",
     "mutated_tensors",
+    "pipeline_stage",
     "replicate",
     "set_last_lr",
     "at_end_of_backward",
@@ -98,6 +103,13 @@ StridedShard = _torch(
     "torch.distributed.tensor.placement_types._StridedShard", purpose="reading FSDP2 x TP shards of a checkpoint"
 )
 
+# The layout of a DTensor (mesh, placements, global shape), from which a gather is planned; ``full_tensor`` reads
+# ``use_strided_shard_as_shard_order`` and ``_maybe_convert_StridedShard_to_shard_order`` on it. Known: 2.11.0 -
+# 2.14.1 (the releases checked). ``_StridedShardNotDecodableError`` beside it marks the releases whose gathers fall
+# back to the greedy planner for a ``_StridedShard`` that encodes no shard order. Known: 2.12.1 - 2.14.1.
+DTensorSpec = _torch("torch.distributed.tensor._dtensor_spec.DTensorSpec", purpose="gathering TP's packed weights")
+_GATHERS_ANY_STRIDED_SHARD = hasattr(sys.modules[DTensorSpec.__module__], "_StridedShardNotDecodableError")
+
 
 # The private ATen overloads scaled_dot_product_attention dispatches to; selective activation checkpointing saves
 # their outputs instead of recomputing attention. Known: 2.9.0 - 2.14.1.
@@ -157,17 +169,57 @@ def mutated_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def fsdp_param_groups(unit: nn.Module) -> list[Any]:
-    """The FSDP2 parameter groups of a ``fully_shard`` unit (``FSDPModule._get_fsdp_state()._fsdp_param_groups``),
-    whose ``is_unsharded`` tells whether the unit's parameters are gathered. Known: 2.12.0 - 2.14.1 (2.11 and older
-    kept one optional ``_fsdp_param_group``, outside the tested range)."""
-    return fsdp_state(unit)._fsdp_param_groups
+    """The FSDP2 parameter groups of a ``fully_shard`` unit, whose ``is_unsharded`` tells whether the unit's
+    parameters are gathered (empty for a unit without parameters).
+
+    Shim: torch 2.12 made the one optional group of a unit (``FSDPState._fsdp_param_group``, known up to 2.11.0) a
+    list (``FSDPState._fsdp_param_groups``, known 2.12.0 - 2.14.1, one group per mesh a ``shard_placement_fn`` picks),
+    and kept the old name as a property that refuses a unit with more than one group, so the list is read where it
+    exists."""
+    state = fsdp_state(unit)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def pipeline_stage(module: nn.Module, stage_index: int, num_stages: int, device: torch.device, *, group: Any) -> Any:
+    """torch's ``PipelineStage`` running ``module`` as stage ``stage_index`` of ``num_stages`` over ``group``.
+
+    Shim: before its first step a schedule warms up the P2P links between neighbouring stages. Up to torch 2.11 every
+    stage exchanges a message with both neighbours (``_get_init_p2p_neighbors_ops``, known 2.11.0 - 2.12.1), the one
+    on its own rank included, where a V-shaped schedule (``zbv``) places two adjacent stages; gloo cannot send to its
+    own rank ("Pair is not connected"). torch 2.12 replaced that warm-up by a vote that passes same-rank neighbours
+    their value directly (``PipelineStage._warmup_forward_vote``, known 2.12.1 - 2.14.1). Where the vote is missing,
+    the stage leaves its own rank out of the warm-up messages (a run between same-rank stages sends nothing in any
+    release)."""
+    return _pipeline_stage_class()(module, stage_index, num_stages, device, group=group)
+
+
+@functools.cache
+def _pipeline_stage_class() -> type:
+    from torch.distributed import P2POp, get_rank
+    from torch.distributed.pipelining import PipelineStage
+
+    if hasattr(PipelineStage, "_warmup_forward_vote"):
+        return PipelineStage
+
+    class PipelineStageWarmingUpNeighboursOnly(PipelineStage):
+        """``PipelineStage`` whose P2P warm-up leaves out the messages to its own rank (torch 2.11)."""
+
+        def _get_init_p2p_neighbors_ops(self) -> list[P2POp]:
+            own_rank = get_rank()
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.peer != own_rank]
+
+    return PipelineStageWarmingUpNeighboursOnly
 
 
 def fsdp_sizes(model: nn.Module) -> tuple[dict[int, int], int]:
     """What FSDP2 allocates in ``model`` (sharded, possibly on meta): the padded shard bytes of each parameter it
     manages (by ``id`` of the sharded parameter) and the largest parameter group's all-gather output in bytes, in
     the group's mixed-precision ``param_dtype`` where one is set (``FSDPParamGroup.fsdp_params`` / ``.mp_policy``,
-    ``FSDPParam.padded_sharded_param_size`` / ``.mesh_info``). Known: 2.12.1 - 2.14.1 (the releases checked)."""
+    ``FSDPParam.padded_sharded_param_size`` / ``.mesh_info``). Known: 2.11.0 - 2.14.1 (the releases checked)."""
     from torch.distributed.fsdp import FSDPModule
 
     padded: dict[int, int] = {}
@@ -188,6 +240,28 @@ def fsdp_sizes(model: nn.Module) -> tuple[dict[int, int], int]:
     return padded, largest
 
 
+def full_tensor(tensor: DTensor) -> torch.Tensor:
+    """The whole value of ``tensor`` on every rank of its mesh (collective): ``DTensor.full_tensor()``.
+
+    Shim: a ``_StridedShard`` that is not FSDP2's encoding of the order TP and FSDP2 shard a dim in (TP's packed
+    ``gate_up_proj``: split factor 2 on the TP mesh, alone or beside a ``Shard`` of the experts) cannot be gathered up
+    to torch 2.11, whose graph-based planner reads every ``_StridedShard`` as such an order and raises "unable to be
+    interpreted into a corresponding shard_order"; torch 2.12 falls back to its greedy planner there. Up to 2.11 such a
+    tensor is gathered under a spec that reads the ``_StridedShard`` as the interleaved placement it is
+    (``use_strided_shard_as_shard_order=False``); the result has no autograd graph then (what is gathered whole is a
+    weight or a gradient being read)."""
+    spec = tensor._spec
+    if _GATHERS_ANY_STRIDED_SHARD or not any(isinstance(p, StridedShard) for p in spec.placements):
+        return tensor.full_tensor()
+    if DTensorSpec._maybe_convert_StridedShard_to_shard_order(spec.placements, spec.mesh) is not None:
+        return tensor.full_tensor()
+    readable = DTensorSpec(
+        spec.mesh, spec.placements, tensor_meta=spec.tensor_meta, use_strided_shard_as_shard_order=False
+    )
+    with torch.no_grad():
+        return DTensor(tensor._local_tensor, readable, requires_grad=False).full_tensor()
+
+
 def fsdp_state(unit: nn.Module) -> Any:
     """The FSDP2 state object of a ``fully_shard`` unit (``FSDPModule._get_fsdp_state()``), one per unit (grouped
     modules share it). Known: 2.9.0 - 2.14.1."""
@@ -196,7 +270,7 @@ def fsdp_state(unit: nn.Module) -> Any:
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """The dims of ``mesh`` (a slice of the dense mesh) as one 1-D mesh named ``name``, the axes FSDP2 and the loss
-    reductions run over (``DeviceMesh._flatten``). Known: 2.12.1 - 2.14.1 (the releases checked)."""
+    reductions run over (``DeviceMesh._flatten``). Known: 2.11.0 - 2.14.1 (the releases checked)."""
     return mesh._flatten(mesh_dim_name=name)
 
 
@@ -229,7 +303,7 @@ def distribution_checks_off() -> Iterator[None]:
 def split_placement(placement: Placement, tensor: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
     """The pieces a ``Shard`` or ``_StridedShard`` placement on dim 0 cuts ``tensor`` into over ``num_chunks`` ranks,
     uneven ones unpadded, by DTensor's own split rule (``Shard._split_tensor``): the oracle the loader's closed-form
-    per-rank chunks (``automodel.loading.placements.local_runs``) are tested against. Known: 2.12.1 - 2.14.1 (the
+    per-rank chunks (``automodel.loading.placements.local_runs``) are tested against. Known: 2.11.0 - 2.14.1 (the
     releases checked)."""
     pieces, _ = placement._split_tensor(tensor, num_chunks, with_padding=False)
     return pieces
@@ -237,6 +311,6 @@ def split_placement(placement: Placement, tensor: torch.Tensor, num_chunks: int)
 
 def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list[float]) -> None:
     """Make ``scheduler.get_last_lr()`` return ``lrs`` after the learning rates were set directly (a resumed run
-    on a new schedule); torch has no public setter (``LRScheduler._last_lr``). Known: 2.12.1 - 2.14.1 (the releases
+    on a new schedule); torch has no public setter (``LRScheduler._last_lr``). Known: 2.11.0 - 2.14.1 (the releases
     checked)."""
     scheduler._last_lr = lrs

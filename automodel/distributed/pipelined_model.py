@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from automodel._compat.torch import pipeline_stage
+
 from .parallel_model import ParallelizedModel
 from .pipeline_layout import V_SHAPED_SCHEDULES, PipelineLayout
 from .runtime import full_tensor
@@ -348,13 +350,11 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         ``head_loss``): torch's stages size their send and receive buffers from the first microbatch they run and
         keep them, so a batch of another shape gets new ones (and runs one metadata forward of its first
         microbatch)."""
-        from torch.distributed.pipelining import PipelineStage
-
         shape, head_input = key
         if self._is_last:
             self._last_stage().forward.return_head_input = head_input
         stages = [
-            PipelineStage(stage, index, self.layout.num_stages, self._device, group=self._group)
+            pipeline_stage(stage, index, self.layout.num_stages, self._device, group=self._group)
             for stage, index in zip(self.stages, self.stage_indices, strict=True)
         ]
         for stage in stages:

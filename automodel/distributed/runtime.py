@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from automodel._compat.torch import full_tensor as compat_full_tensor
+
 if TYPE_CHECKING:
     from .mesh import MeshContext
 
@@ -82,4 +84,4 @@ def device_of(mesh_context: MeshContext | None) -> torch.device:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole value of ``tensor``: gathered when it is a ``DTensor`` (collective: every rank of its mesh must
     call it), else the tensor itself."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return compat_full_tensor(tensor) if isinstance(tensor, DTensor) else tensor

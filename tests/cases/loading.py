@@ -66,6 +66,7 @@ def _config(checkpoint: str):
 
 def from_config_matches_seed(layout: dict[str, Any], architecture: str, seed: int) -> dict[str, Any]:
     """``from_config(config, seed=s, init="exact")`` weights equal plain transformers' after ``torch.manual_seed(s)``."""
+    from automodel.distributed.runtime import full_tensor
     from tests.tiny_models import tiny_config
 
     config = tiny_config(architecture)
@@ -74,10 +75,7 @@ def from_config_matches_seed(layout: dict[str, Any], architecture: str, seed: in
     torch.manual_seed(seed)
     reference = AutoModelForCausalLM.from_config(config)
     ref = dict(reference.named_parameters())
-    diffs = {
-        name: ((p.full_tensor() if isinstance(p, DTensor) else p) - ref[name]).abs().max().item()
-        for name, p in model.named_parameters()
-    }
+    diffs = {name: (full_tensor(p) - ref[name]).abs().max().item() for name, p in model.named_parameters()}
     buffers = {
         name: (b - dict(reference.named_buffers())[name]).abs().max().item() for name, b in model.named_buffers()
     }
