@@ -1,21 +1,24 @@
-"""The GPU figures of issue 18, in one short run: a ~1.2 B-parameter Llama (Llama 3.2 1B's shape, random weights),
-bf16, on the GPUs torchrun starts (one is enough).
+"""The GPU figures of issue 43 in one run: a Llama of Llama 3.2 1B's shape (1.24 B parameters, tied embeddings) or, with
+``--shape 8b``, Llama 3 8B's (random weights), bf16, on the GPUs torchrun starts (one is enough).
 
-    torchrun --standalone --nproc-per-node 1 benchmarks/gpu_check.py --out gpu_check.json
+    torchrun --standalone --nproc-per-node 1 benchmarks/gpu_check.py --out gpu_check.json [--shape 8b]
     python benchmarks/gpu_check.py --tiny          # CPU smoke test of every code path (gloo, a tiny model)
 
 Measured, each a median over a few repeats / steps, ratios taken in the same run:
 
-- **load**: the file-to-GPU floor (every safetensors file read with ``safetensors.torch.load_file(device="cuda")``;
-  each rank reads the whole checkpoint, the least a loader must move to the device), ``automodel``
-  (``NeMoAutoModelForCausalLM.from_pretrained(dir, mesh_context=MeshContext.build("fsdp2"))``), transformers
-  ``from_pretrained(device_map="cuda")`` and transformers ``DistributedConfig(fsdp_size=N)``; page cache warm.
+- **load** (page cache warm): the floors (every safetensors file read by parallel readers into pinned memory, and the
+  host-to-device copy of those bytes; and ``safetensors.torch.load_file(device="cuda")`` of each file),
+  ``automodel`` (``NeMoAutoModelForCausalLM.from_pretrained(dir, mesh_context=MeshContext.build("fsdp2"))``) and
+  transformers ``from_pretrained(device_map="cuda")`` (with ``DistributedConfig(fsdp_size=N)`` too on N > 1 GPUs).
 - **training**: tokens/s, MFU (``--peak-tflops`` per GPU; 989 for H100/H200 dense bf16) and peak GPU memory of
-  automodel (``train_step`` + ``clip_grad_norm`` + fused AdamW) plain, with ``compile=True``, with the chunked loss,
-  and with both, against transformers ``DistributedConfig(fsdp_size=N)`` + a plain loop (``loss / accumulation``,
-  ``clip_grad_norm_``, fused AdamW). Same random batches for every contender; compile happens in the warm-up steps.
+  ``automodel`` with the library's defaults (``train_step`` + ``clip_grad_norm`` + fused AdamW; compile ``"auto"``,
+  the recipes' default loss), and variants: ``+eager`` (``compile=False``), ``+fused`` / ``+model`` (that loss),
+  against ``transformers``: the model on the GPU (``device_map`` on one GPU, ``DistributedConfig(fsdp_size=N)`` on
+  N) and a plain loop (``loss / accumulation``, ``clip_grad_norm_``, fused AdamW). Same random batches for every
+  contender; compilation happens in the warm-up steps.
 
-Each part records its error and the others still run; rank 0 prints one JSON line per part and writes ``--out``.
+Each part records its error and the others still run; rank 0 prints one JSON line per part and rewrites ``--out``
+after each, so a run stopped at its time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -42,6 +45,18 @@ LLAMA_1B = dict(
     rope_theta=500000.0,
     tie_word_embeddings=True,
 )
+# Llama 3 8B: 8.03 B parameters, untied head.
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -52,7 +67,11 @@ TINY = dict(
     max_position_embeddings=256,
     tie_word_embeddings=True,
 )
-TRAIN_CONTENDERS = ("automodel", "automodel+compile", "automodel+chunked", "automodel+compile+chunked", "transformers")
+SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
+# automodel with the library's defaults, then the variants: +eager (compile=False), +fused / +model (that loss),
+# +chunkN (the fused loss over chunks of N tokens).
+TRAIN_OPTIONS = ("eager", "fused", "model")
+DEFAULT_CONTENDERS = "automodel,automodel+eager,automodel+fused,automodel+model,transformers"
 
 
 def _device():
@@ -78,7 +97,8 @@ def _free() -> None:
 
 
 def make_checkpoint(directory: Path, shape: dict) -> Path:
-    """A random bf16 Llama of ``shape``, written by rank 0 in 2 GB shards (skipped when present)."""
+    """A random bf16 Llama of ``shape``, initialised on the device and written by rank 0 in 2 GB shards (skipped when
+    present)."""
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -86,7 +106,11 @@ def make_checkpoint(directory: Path, shape: dict) -> Path:
     if dist.get_rank() == 0 and not (directory / "config.json").is_file():
         torch.manual_seed(0)
         config = AutoConfig.for_model("llama", **shape)
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory, max_shard_size="2GB")
+        with torch.device(_device()):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(directory, max_shard_size="2GB")
+        del model
+        _free()
     dist.barrier()
     return directory
 
@@ -111,13 +135,32 @@ def _timed(fn):
     return result, seconds
 
 
+def _transformers_placement() -> dict:
+    """transformers' way onto the GPUs: ``device_map`` on one, ``DistributedConfig(fsdp_size=N)`` on N (which keeps
+    a one-rank model on the CPU, so one GPU gets the ``device_map``)."""
+    import torch.distributed as dist
+    from transformers.distributed import DistributedConfig
+
+    world = dist.get_world_size()
+    if world == 1:
+        return {"device_map": str(_device())}
+    return {"distributed_config": DistributedConfig(fsdp_size=world)}
+
+
+def _load_floors(files: list[Path]) -> dict[str, float]:
+    """The two floors of a loader, from automodel's own readers: the parallel read of every file into pinned
+    memory, and the host-to-device copy of those bytes (seconds each)."""
+    from automodel.loading.reader import floor_seconds
+
+    return {name: value for name, value in floor_seconds(files, _device()).items() if name.endswith("_s")}
+
+
 def load_times(directory: Path, repeats: int) -> dict:
     """Median load seconds of each contender (worst rank), and each one's ratio to the file-to-GPU floor."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
 
     from automodel import MeshContext, NeMoAutoModelForCausalLM
 
@@ -125,18 +168,21 @@ def load_times(directory: Path, repeats: int) -> dict:
     files = sorted(directory.glob("*.safetensors"))
     context = MeshContext.build("fsdp2")
     contenders = {
-        "floor_file_to_gpu": lambda: [load_file(path, device=str(device)) for path in files],
+        "floor_load_file_to_gpu": lambda: [load_file(path, device=str(device)) for path in files],
         "automodel": lambda: NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context, dtype="auto"),
-        "transformers_device_map": lambda: AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch.bfloat16, device_map=str(device)
-        ),
-        "transformers_distributed_config": lambda: AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch.bfloat16, distributed_config=DistributedConfig(fsdp_size=dist.get_world_size())
+        "transformers": lambda: AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.bfloat16, **_transformers_placement()
         ),
     }
-    seconds: dict[str, list[float]] = {name: [] for name in contenders}
+    seconds: dict[str, list[float]] = {name: [] for name in [*contenders, "floor_read_pinned", "floor_h2d"]}
     errors = {}
     for _ in range(repeats):
+        _warm(directory)
+        try:
+            for name, value in _load_floors(files).items():
+                seconds[f"floor_{name.removesuffix('_s')}"].append(value)
+        except Exception as error:  # the floors are a result like the others
+            errors["floors"] = f"{type(error).__name__}: {error}"[:500]
         for name, load in contenders.items():
             if name in errors:
                 continue
@@ -152,13 +198,16 @@ def load_times(directory: Path, repeats: int) -> dict:
             del loaded
             _free()
     medians = {name: statistics.median(values) for name, values in seconds.items() if values}
-    floor = medians.get("floor_file_to_gpu")
-    return {
-        "checkpoint_gb": round(sum(path.stat().st_size for path in files) / 1e9, 3),
+    gb = sum(path.stat().st_size for path in files) / 1e9
+    result = {
+        "checkpoint_gb": round(gb, 3),
         "seconds": {name: round(value, 3) for name, value in medians.items()},
-        "x_floor": {name: round(value / floor, 2) for name, value in medians.items()} if floor else None,
+        "gb_per_s": {name: round(gb / value, 2) for name, value in medians.items() if value},
         "errors": errors,
     }
+    if "automodel" in medians and "transformers" in medians:
+        result["automodel_vs_transformers_speed"] = round(medians["transformers"] / medians["automodel"], 3)
+    return result
 
 
 def _batches(step: int, args: argparse.Namespace, vocab: int, rank: int, world: int):
@@ -170,7 +219,8 @@ def _batches(step: int, args: argparse.Namespace, vocab: int, rank: int, world: 
     return [{"input_ids": chunk, "labels": chunk} for chunk in mine.split(args.micro_batch)]
 
 
-def _automodel_step(directory: Path, options: set[str], chunk: int):
+def _automodel_step(directory: Path, options: set[str], chunk: int | None):
+    """The library's defaults (compile ``"auto"``, the recipes' default loss), or the variant ``options`` name."""
     import torch
 
     from automodel import MeshContext, NeMoAutoModelForCausalLM
@@ -178,10 +228,14 @@ def _automodel_step(directory: Path, options: set[str], chunk: int):
     from automodel.training.loss import make_loss
     from automodel.training.optim import clip_grad_norm
 
-    context = MeshContext.build("fsdp2", compile="compile" in options)
+    context = MeshContext.build("fsdp2", **({"compile": False} if "eager" in options else {}))
     model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context, dtype="auto").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.cuda.is_available())
-    loss_fn = make_loss("chunked" if "chunked" in options else "model", chunk)
+    defaults = _recipe_defaults()
+    kind = "fused" if "fused" in options else "model" if "model" in options else defaults["loss"]
+    chunks = [int(option[5:]) for option in options if option.startswith("chunk")]
+    chunk = chunks[0] if chunks else chunk or defaults["loss_chunk_size"]
+    loss_fn = make_loss(kind, chunk)
 
     def step(micro_batches):
         train_step(model, micro_batches, context, loss_fn)
@@ -189,18 +243,23 @@ def _automodel_step(directory: Path, options: set[str], chunk: int):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return model, step
+    return model, step, {"loss": kind, "chunk": chunk if kind == "fused" else None, "compile": str(context.compile)}
+
+
+def _recipe_defaults() -> dict:
+    """The recipes' defaults of ``train.loss`` and ``train.loss_chunk_size``."""
+    from dataclasses import fields
+
+    from automodel.training.config import TrainSection
+
+    return {field.name: field.default for field in fields(TrainSection)}
 
 
 def _transformers_step(directory: Path):
     import torch
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.bfloat16, distributed_config=DistributedConfig(fsdp_size=dist.get_world_size())
-    ).train()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, **_transformers_placement()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.cuda.is_available())
     device = _device()
 
@@ -212,7 +271,7 @@ def _transformers_step(directory: Path):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return model, step
+    return model, step, {"loss": "model", "compile": "False"}
 
 
 def training(directory: Path, contender: str, args: argparse.Namespace) -> dict:
@@ -225,25 +284,28 @@ def training(directory: Path, contender: str, args: argparse.Namespace) -> dict:
 
     base, *options = contender.split("+")
     if base == "automodel":
-        model, step_fn = _automodel_step(directory, set(options), args.chunk)
+        model, step_fn, settings = _automodel_step(directory, set(options), args.chunk)
     else:
-        model, step_fn = _transformers_step(directory)
+        model, step_fn, settings = _transformers_step(directory)
     rank, world = dist.get_rank(), dist.get_world_size()
     vocab = model.config.vocab_size
     times = []
     for index in range(args.warmup + args.steps):
         micro_batches = _batches(index, args, vocab, rank, world)
         _, took = _timed(lambda batches=micro_batches: step_fn(batches))
-        if index >= args.warmup:
-            times.append(took)
+        times.append(took)
+    first, times = times[0], times[args.warmup :]
     seconds = statistics.median(times)
     tokens_per_s = args.global_batch * args.seq / seconds
     flops = flops_per_token(transformers_model(model), args.seq)
     mfu = model_flops_utilization(tokens_per_s, flops, args.peak_tflops if torch.cuda.is_available() else None, world)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    del model
+    model = step_fn = None  # noqa: F841 (frees the model before the next contender)
+    torch._dynamo.reset()  # the compiled graphs hold the model's memory
     _free()
     return {
+        **settings,
+        "first_step_s": round(first, 2),
         "step_s": round(seconds, 4),
         "tokens_per_s": round(tokens_per_s),
         "mfu": round(mfu, 4) if mfu is not None else None,
@@ -270,26 +332,50 @@ def _start(tiny: bool) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a tiny model, 1 gloo rank, few steps")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="the Llama shape (default 1b)")
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: a temporary one)")
-    parser.add_argument("--out", type=Path, help="write every result as JSON (rank 0)")
+    parser.add_argument("--out", type=Path, help="write every result as JSON (rank 0), rewritten after each part")
     parser.add_argument("--parts", default="load,train", help="comma-separated: load, train")
-    parser.add_argument("--contenders", default=",".join(TRAIN_CONTENDERS))
+    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"default: {DEFAULT_CONTENDERS}")
     parser.add_argument("--load-repeats", type=int, default=3)
-    parser.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (all ranks)")
-    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (all ranks; 1b: 8, 8b: 4)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per micro batch (1b: 2, 8b: 1)")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compile happens here)")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--chunk", type=int, default=1024, help="tokens per chunk of the chunked loss")
+    parser.add_argument("--chunk", type=int, help="tokens per chunk of the fused loss (default: the recipes')")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU (MFU)")
     args = parser.parse_args(argv)
-    unknown = set(args.contenders.split(",")) - set(TRAIN_CONTENDERS)
-    if unknown:
-        parser.error(f"unknown contenders {sorted(unknown)}: choose from {', '.join(TRAIN_CONTENDERS)}")
+    for contender in args.contenders.split(","):
+        base, *options = contender.split("+")
+        named = {option for option in options if not (option.startswith("chunk") and option[5:].isdigit())}
+        if (
+            base not in ("automodel", "transformers")
+            or named - set(TRAIN_OPTIONS)
+            or (base == "transformers" and options)
+        ):
+            parser.error(
+                f"unknown contender {contender!r}: automodel[+{'|+'.join(TRAIN_OPTIONS)}|+chunkN] or transformers"
+            )
+    batch, micro = (4, 1) if args.shape == "8b" else (8, 2)
+    args.global_batch = args.global_batch or batch
+    args.micro_batch = args.micro_batch or micro
     if args.tiny:
         args.seq, args.global_batch, args.micro_batch, args.warmup, args.steps = 64, 2, 1, 1, 1
         args.load_repeats, args.chunk = 1, 16
     return args
+
+
+def _ratios(results: dict) -> None:
+    """Each training contender's tokens/s over transformers' and over automodel's (the defaults), in place."""
+    train = {
+        name.split(":")[1]: row for name, row in results.items() if name.startswith("train:") and "error" not in row
+    }
+    for peer in ("transformers", "automodel"):
+        if peer in train:
+            results[f"tokens_per_s_vs_{peer}"] = {
+                name: round(row["tokens_per_s"] / train[peer]["tokens_per_s"], 3) for name, row in train.items()
+            }
 
 
 def main() -> None:
@@ -301,12 +387,20 @@ def main() -> None:
     results: dict = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "shape": "tiny" if args.tiny else args.shape,
+        "world_size": dist.get_world_size(),
+        "batch": {"global": args.global_batch, "micro": args.micro_batch, "seq": args.seq},
     }
-    results["world_size"] = dist.get_world_size()
+    try:
+        import transformers
+
+        results["transformers"] = transformers.__version__
+    except ImportError:
+        pass
     with tempfile.TemporaryDirectory() as tmp:
         holder = [str(args.dir or Path(tmp) / "llama")]
         dist.broadcast_object_list(holder)
-        directory = make_checkpoint(Path(holder[0]), TINY if args.tiny else LLAMA_1B)
+        directory = make_checkpoint(Path(holder[0]), TINY if args.tiny else SHAPES[args.shape])
         parts = {"load": lambda: load_times(directory, args.load_repeats)}
         for contender in args.contenders.split(","):
             parts[f"train:{contender}"] = lambda contender=contender: training(directory, contender, args)
@@ -321,25 +415,15 @@ def main() -> None:
                     "trace": traceback.format_exc()[-3000:],
                 }
                 _free()
+            _ratios(results)
             if dist.get_rank() == 0:
                 print(json.dumps({name: results[name]}), flush=True)
-    train = {
-        name.split(":")[1]: row for name, row in results.items() if name.startswith("train:") and "error" not in row
-    }
-    if "automodel" in train and "transformers" in train:
-        plain = train["automodel"]["tokens_per_s"]
-        results["tokens_per_s_vs_transformers"] = {
-            name: round(row["tokens_per_s"] / train["transformers"]["tokens_per_s"], 3) for name, row in train.items()
-        }
-        results["tokens_per_s_vs_automodel"] = {
-            name: round(row["tokens_per_s"] / plain, 3) for name, row in train.items()
-        }
+                if args.out is not None:
+                    args.out.write_text(json.dumps(results, indent=2))
     if dist.get_rank() == 0:
         print(
             json.dumps({key: results.get(key) for key in ("tokens_per_s_vs_transformers", "tokens_per_s_vs_automodel")})
         )
-        if args.out is not None:
-            args.out.write_text(json.dumps(results, indent=2))
     dist.destroy_process_group()
 
 

@@ -204,7 +204,7 @@ def test_layout_compile_key(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_recipe_trains_the_same_with_compiled_blocks(ranks2, tmp_path):
-    """SFT on packed chat data, FSDP2 over 2 ranks, with the chunked loss: ``layout.compile=true`` follows the
+    """SFT on packed chat data, FSDP2 over 2 ranks, with the fused loss: ``layout.compile=true`` follows the
     uncompiled run step by step."""
     from tests.cases.training import CHAT_DATA, save_tiny_chat_checkpoint, train
 
@@ -215,7 +215,7 @@ def test_the_recipe_trains_the_same_with_compiled_blocks(ranks2, tmp_path):
 recipe: sft
 model: {{path: {checkpoint}}}
 data: {{path: {CHAT_DATA}, packing: true}}
-train: {{max_steps: 3, global_batch_size: 4, micro_batch_size: 1, seq_len: 96, lr: 3.0e-3, loss: chunked}}
+train: {{max_steps: 3, global_batch_size: 4, micro_batch_size: 1, seq_len: 96, lr: 3.0e-3, loss: fused}}
 """
     )
     plain = ranks2.run(train, str(config), [])[0]["losses"]
