@@ -41,9 +41,9 @@ __all__ = [
     "release_staging",
 ]
 
-#: Reader threads per process. Several reads in flight keep a fast disk or the page cache busy while one thread
-#: waits in a copy; more than a few only contend for the same memory bandwidth.
-READER_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: Reader threads per process (``AUTOMODEL_READER_THREADS`` sets it). Several reads in flight keep a fast disk or
+#: the page cache busy while one thread waits in a copy; more than a few only contend for the same memory bandwidth.
+READER_THREADS = int(os.environ.get("AUTOMODEL_READER_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1))
 
 _ACTIVE: ContextVar[ParallelReader | None] = ContextVar("automodel_active_reader", default=None)
 

@@ -1,0 +1,144 @@
+"""The reader threads (``automodel.loading.reader``): reads queued to them equal the same reads done at once and
+safetensors' own slicing, for dim-0 shards, column bands (rows read past their gaps), cast reads and reads split
+into many chunks; the staging pool stays bounded; the GPU load floors run on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from automodel.loading import direct_read, reader
+from automodel.loading.checkpoint_files import open_safetensors_file
+from automodel.loading.sources import Concatenated, StoredTensor
+
+ROWS, COLUMNS = 64, 48
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reader") / "model.safetensors"
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "weight": torch.randn(ROWS, COLUMNS, generator=generator).to(torch.bfloat16),
+        "wide": torch.randn(8, 16384, generator=generator),  # rows wider than MAX_GAP: one read per row
+        "cube": torch.randn(6, 5, 7, generator=generator),
+        "norm": torch.randn(COLUMNS, generator=generator),
+    }
+    save_file(tensors, path)
+    return path, tensors
+
+
+def _boxes():
+    """Dim-0 shards (FSDP2, colwise TP), column bands (rowwise TP), a block of a 3-D tensor, a whole tensor."""
+    yield "weight", (slice(16, 32),)
+    yield "weight", (slice(0, ROWS), slice(12, 24))
+    yield "weight", (slice(3, 40), slice(40, 48))
+    yield "wide", (slice(0, 8), slice(1024, 2048))
+    yield "cube", (slice(1, 5), slice(2, 4), slice(0, 7))
+    yield "cube", (slice(0, 6), slice(1, 4), slice(2, 5))
+    yield "norm", (slice(0, COLUMNS),)
+
+
+@pytest.mark.parametrize("dtype", ["stored", torch.float32, torch.float16])
+@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("staging", [direct_read.STAGING_BYTES, 64])
+def test_queued_reads_equal_safetensors_slices(stored, monkeypatch, dtype, threads, staging):
+    """Same dtype (straight into place) and casts (through the staging pool), one chunk or many (a staging size of
+    64 bytes cuts every read into many chunks and long runs into pieces)."""
+    monkeypatch.setattr(direct_read, "STAGING_BYTES", staging)
+    path, tensors = stored
+    files = open_safetensors_file(path)
+    outs, expected = [], []
+    with safe_open(path, "pt") as handle, reader.parallel_reads("cpu", threads=threads):
+        for key, box in _boxes():
+            reference = handle.get_slice(key)[box]
+            target = reference.dtype if dtype == "stored" else dtype
+            out = torch.full(reference.shape, float("nan"), dtype=target)
+            assert files.read_into(key, box, out, defer=True)
+            outs.append(out)
+            expected.append(reference.to(target))
+    files.close()
+    for out, reference in zip(outs, expected, strict=True):
+        assert torch.equal(out, reference)
+
+
+def test_rows_of_a_column_band_are_read_past_their_gaps(stored):
+    """A rowwise TP shard: its rows are one read of their span (gaps into the scratch buffer), counted as such."""
+    path, tensors = stored
+    files = open_safetensors_file(path)
+    out = torch.empty(ROWS, 12, dtype=torch.bfloat16)
+    with reader.parallel_reads("cpu", threads=2):
+        files.read_into("weight", (slice(0, ROWS), slice(12, 24)), out, defer=True)
+    assert torch.equal(out, tensors["weight"][:, 12:24])
+    assert files.bytes_read == out.numel() * 2
+    assert files.bytes_spanned == ((ROWS - 1) * COLUMNS + 12) * 2  # one span from the first run to the last
+    files.close()
+
+
+def test_wide_rows_are_read_one_by_one(stored):
+    """Gaps wider than MAX_GAP are not read past."""
+    path, tensors = stored
+    files = open_safetensors_file(path)
+    out = torch.empty(8, 1024)
+    files.read_into("wide", (slice(0, 8), slice(1024, 2048)), out)
+    assert torch.equal(out, tensors["wide"][:, 1024:2048])
+    assert files.bytes_spanned == files.bytes_read == out.numel() * 4
+    files.close()
+
+
+def test_composite_sources_queue_their_parts(stored):
+    """A packed projection (concatenated parts) read into one destination through the queue."""
+    path, tensors = stored
+    files = open_safetensors_file(path)
+    packed = Concatenated(
+        [StoredTensor(files, "weight", (ROWS, COLUMNS)), StoredTensor(files, "weight", (ROWS, COLUMNS))], 0
+    )
+    indices = [torch.arange(ROWS - 8, ROWS + 8), torch.arange(5, 29)]
+    out = torch.empty(16, 24, dtype=torch.float32)
+    with reader.parallel_reads("cpu", threads=2):
+        packed.read_into(indices, out)
+    full = torch.cat([tensors["weight"], tensors["weight"]])
+    assert torch.equal(out, full[ROWS - 8 : ROWS + 8, 5:29].float())
+    files.close()
+
+
+def test_the_staging_pool_is_bounded_and_reused(stored, monkeypatch):
+    """Cast reads of many chunks go through at most one buffer per thread, allocated once and reused."""
+    monkeypatch.setattr(direct_read, "STAGING_BYTES", 256)
+    reader.release_staging()
+    path, tensors = stored
+    files = open_safetensors_file(path)
+    out = torch.empty(ROWS, COLUMNS)
+    with reader.parallel_reads("cpu", threads=2) as reads:
+        files.read_into("weight", (slice(0, ROWS),), out, defer=True)
+    assert torch.equal(out, tensors["weight"].float())
+    assert ROWS * COLUMNS * 2 // 256 > 2  # many chunks ...
+    assert reads._pool.allocated_bytes <= 2 * 256  # ... through at most one buffer per thread
+    files.close()
+    reader.release_staging()
+
+
+def test_a_failed_read_is_raised_after_every_thread_is_done(stored):
+    """A read past the end of the file fails in its thread; the block raises it, naming the tensor, once every
+    other read is done."""
+    path, tensors = stored
+    files = open_safetensors_file(path)
+    good = torch.empty(ROWS, COLUMNS, dtype=torch.bfloat16)
+    bad = torch.empty(16, dtype=torch.uint8)
+    with open(path, "rb") as stream:
+        past_end = direct_read.ReadChunk(stream.fileno(), [path.stat().st_size], 16, [0], 16, torch.uint8, bad, "'x'")
+        with pytest.raises(OSError, match="Reading 'x' failed: unexpected end of file"):
+            with reader.parallel_reads("cpu", threads=2) as reads:
+                reads.submit([past_end])
+                files.read_into("weight", (slice(0, ROWS),), good, defer=True)
+    assert torch.equal(good, tensors["weight"])
+    files.close()
+
+
+def test_floor_seconds_on_the_cpu(stored):
+    path, _ = stored
+    floors = reader.floor_seconds([path], "cpu", threads=2)
+    assert set(floors) == {"read_pinned_s", "h2d_s", "bytes"}
+    assert floors["bytes"] == path.stat().st_size and floors["read_pinned_s"] >= 0 and floors["h2d_s"] >= 0
