@@ -184,15 +184,40 @@ class PipelinedModel(ParallelizedModel, nn.Module):
 
     def _tensor_owners(self) -> dict[str, int]:
         """Every state tensor of the whole model -> the pipeline rank whose stages hold it (the lowest, for the
-        buffers every stage holds)."""
-        mine = list(self.state_dict())
-        everyone: list[list[str]] = [None] * self.layout.size  # type: ignore[list-item]
+        buffers every stage holds). The same exchange checks that each tied pair split between the first and the
+        last stage is laid out alike on both (:meth:`_check_tied_layouts`)."""
+        mine = (list(self.state_dict()), self._tied_layouts())
+        everyone: list[tuple[list[str], dict]] = [None] * self.layout.size  # type: ignore[list-item]
         dist.all_gather_object(everyone, mine, group=self._group)
         owners: dict[str, int] = {}
-        for rank, names in enumerate(everyone):
+        for rank, (names, _) in enumerate(everyone):
             for name in names:
                 owners.setdefault(name, rank)
+        self._check_tied_layouts([layouts for _, layouts in everyone])
         return owners
+
+    def _tied_layouts(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """This rank's tied embedding and head copies: name -> (placements, local shape)."""
+        held = dict(self.named_parameters())
+        return {
+            name: (str(getattr(held[name], "placements", None)), tuple(_local(held[name]).shape))
+            for pair in self._tied_names
+            for name in pair
+            if name in held
+        }
+
+    def _check_tied_layouts(self, layouts: list[dict[str, tuple[str, tuple[int, ...]]]]) -> None:
+        """Raise (on every rank of the pipeline) when the first stage's embedding and the last stage's head, one
+        tied weight, are sharded differently: their gradients could not be summed slice by slice. Without PP the
+        TP step refuses such a plan for the one tied parameter; under PP each stage is parallelized alone."""
+        seen = {name: layout for held in layouts for name, layout in held.items()}
+        for embedding, head in self._tied_names:
+            if embedding in seen and head in seen and seen[embedding] != seen[head]:
+                raise ValueError(
+                    f"The tied parameters {embedding} (first pipeline stage) and {head} (last stage) are laid out "
+                    f"differently: {seen[embedding]} vs {seen[head]} (placements, local shape). Give them the same "
+                    "placement in the TP plan, or untie them (tie_word_embeddings=False)."
+                )
 
     def gatherer(self) -> Callable[[str], torch.Tensor | None]:
         """For an export: a function that, called collectively (every rank, every name in the same order), gives
@@ -387,9 +412,14 @@ class PipelinedModel(ParallelizedModel, nn.Module):
 
     def _sum_tied_gradients(self) -> None:
         """Sum the gradients of the embedding (first stage) and its copy as the head (last stage): between the two
-        stages' ranks (each stage-group coordinate's ranks holding them), or locally when one rank holds both."""
+        stages' ranks (each stage-group coordinate's ranks holding them), or locally when one rank holds both.
+
+        Each gradient is first laid out as its parameter (:func:`_laid_out_as_parameter`): under TP the two copies'
+        gradients may come out of their backwards with different placements (a vocab-sharded embedding's lookup
+        gradient is replicated, the colwise head's is sharded), and their local tensors would not be the same slice
+        (nor of the same size) of the one tied weight."""
         for params in self._tied:
-            grads = [param.grad for param in params if param.grad is not None]
+            grads = [_laid_out_as_parameter(param) for param in params if param.grad is not None]
             if not grads:
                 continue
             local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
@@ -399,6 +429,21 @@ class PipelinedModel(ParallelizedModel, nn.Module):
                     grad.copy_(total)
             else:
                 dist.all_reduce(local[0], group=self._embedding_group)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _laid_out_as_parameter(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad`` with ``param``'s placements (set back as its ``.grad``): DTensor's embedding backward gives a
+    vocab-sharded (``Shard(0)``) embedding a replicated gradient; redistributing it keeps this rank's rows (no
+    collective for a replicated gradient, a reduce-scatter over the parameter's mesh for a partial one)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+        param.grad = grad
+    return grad
 
 
 def _embedding_group(layout: PipelineLayout) -> Any:
