@@ -41,9 +41,10 @@ __all__ = [
     "build_stage",
     "pipeline_roles",
     "stage_layer_counts",
+    "whole_model",
 ]
 
-#: Set (True) on a stage module: what runs on a stage may differ (a derived TP plan is refused on one).
+#: Set on a stage module (in its ``__dict__``, not as a submodule): the whole model (on meta) it was cut from.
 PIPELINE_STAGE_ATTRIBUTE = "_automodel_pipeline_stage"
 
 _TRACE_LENGTH = 8
@@ -313,8 +314,15 @@ def build_stage(model: nn.Module, roles: PipelineRoles, layers: range, *, first:
             setattr(parent, child, stand_in)
     own = [stage.get_submodule(roles.layers[index]) for index in layers]
     stage.forward = StageForward(stage, own[0], own[-1], first=first, last=last)
-    setattr(stage, PIPELINE_STAGE_ATTRIBUTE, True)
+    stage.__dict__[PIPELINE_STAGE_ATTRIBUTE] = model
     return stage
+
+
+def whole_model(module: nn.Module) -> nn.Module:
+    """The whole model a pipeline stage was cut from (on meta), else ``module`` itself. What is decided from the
+    module tree (a derived TP plan) is decided on it, so that every stage applies the same decision: a stage alone
+    does not see that its head is tied to another stage's embedding."""
+    return module.__dict__.get(PIPELINE_STAGE_ATTRIBUTE, module)
 
 
 class StageForward:
@@ -332,10 +340,10 @@ class StageForward:
         # Last stage: return the output head's input instead of the logits (a loss that runs the head itself, e.g.
         # the fused linear cross-entropy); the head then computes one position only, a stand-in the forward discards.
         self.return_head_input = False
+        self.last_layer = last_layer
         if not first:
+            # First of the layer's pre-hooks: what the parallelizer adds (SP's scatter) sees the received activation.
             first_layer.register_forward_pre_hook(self._take_received, with_kwargs=True, prepend=True)
-        if not last:
-            last_layer.register_forward_hook(self._keep_output)
 
     def __call__(self, inputs: torch.Tensor | None = None, **kwargs: Any) -> Any:
         if inputs is None:
@@ -354,13 +362,17 @@ class StageForward:
             handle = self.model.get_output_embeddings().register_forward_pre_hook(
                 functools.partial(_capture_input, captured), prepend=True
             )
+        elif not self.last:
+            # Registered per call, so it runs after every hook the parallelizer installed on the layer: what is sent
+            # is what the layer hands on (SP's gather of the sequence shards included), not its raw output.
+            handle = self.last_layer.register_forward_hook(self._keep_output)
         try:
             output = self.model_forward(self.model, **kwargs)
         finally:
             self.received = None
             if handle is not None:
                 handle.remove()
-        if handle is not None:
+        if self.last and self.return_head_input:
             if len(captured) != 1:
                 raise RuntimeError(f"The output head ran {len(captured)} times in one forward of the last stage.")
             return captured[0]

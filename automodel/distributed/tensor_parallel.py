@@ -32,7 +32,7 @@ from .model_structure import (
     tied_parameter_names,
 )
 from .partial_gradients import reduce_partial_gradients
-from .pipeline_stages import PIPELINE_STAGE_ATTRIBUTE
+from .pipeline_stages import whole_model
 from .replica_check import check_replicated_gradients_once
 from .tp_styles import (
     SequenceParallelNorm,
@@ -111,15 +111,10 @@ def choose_tp_plan(
         plan, source = _materialize(sidecar_plan, model), sidecar
     elif own := model_tp_plan(model):
         plan, source = own, MODEL_SOURCE
-    elif getattr(model, PIPELINE_STAGE_ATTRIBUTE, False):
-        raise ValueError(
-            f"{type(model).__name__} has no tensor-parallel plan of its own, and a plan derived from the module tree "
-            "is not supported under pipeline parallelism yet (its first-step checks do not run inside torch's "
-            "schedules). Pass tp_plan={...} to from_pretrained / from_config (`automodel plan` with pp_size=1 and "
-            "layout.tp_size shows the derived one to copy), or use tp_size=1 with PP."
-        )
     else:
-        plan, source = derive_tp_plan(model, tp_size), DERIVED_SOURCE
+        # A pipeline stage takes the plan derived from the whole model: the same rules on every stage, with ties
+        # across stages seen (rules naming other stages' modules are skipped when applied).
+        plan, source = derive_tp_plan(whole_model(model), tp_size), DERIVED_SOURCE
     if not plan:
         raise ValueError(
             f"The TP plan from {source} for {type(model).__name__} is empty, so tp_size > 1 would shard nothing. Give "
