@@ -59,6 +59,27 @@ def test_pp2_composes_with_fsdp2_and_tp_on_4_ranks(ranks4, model_type, inner):
         _check(result)
 
 
+#: PP2 x TP2 for models TP supports alone (besides the untied Llama and Qwen3 above): tied embeddings (the embedding
+#: group's gradient sum under a vocab-sharded embedding and a colwise head; GPT-2 and OPT are tied too), plans derived
+#: from the module tree (GPT-2, OPT and StableLM declare none), and sequence parallelism inside the stages.
+PP_TP_CASES = [
+    pytest.param("gemma3_text", None, {}, id="gemma3"),
+    pytest.param("llama", True, {}, id="llama_tied"),
+    pytest.param("gpt2", None, {}, id="gpt2_derived_plan"),
+    pytest.param("opt", None, {}, id="opt_derived_plan"),
+    pytest.param("stablelm", None, {}, id="stablelm_derived_plan"),
+    pytest.param("llama", None, {"sequence_parallel": True}, id="llama_sp"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "tie", "extra"), PP_TP_CASES)
+def test_pp2_x_tp2_for_models_tp_supports_alone(ranks4, model_type, tie, extra):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b", "tp_size": 2, **extra}
+    for result in ranks4.run(pipeline.pipeline_parity, model_type, layout, tie):
+        _check(result)
+        assert result["tp_sharded"], result  # a plan applied on every stage, not everything replicated
+
+
 @pytest.mark.parametrize("inner", [{"ep_size": 2}, {"ep_size": 2, "tp_size": 2}], ids=["pp2_ep2", "pp2_ep2_tp2"])
 def test_mixtral_under_pp2_x_ep2_on_4_ranks(ranks4, inner):
     """Expert parallelism within each stage group: the experts of a stage's layers split over its 2 ranks."""
@@ -114,12 +135,12 @@ def test_from_config_under_pp_gives_the_weights_of_the_same_call_without_a_mesh(
             "The model has 3 decoder layers and the pipeline 4 stages",
         ),
         ({"strategy": "fsdp2", "pp_size": 2}, 4, "forward", "use model.train_step(input_ids=..., labels=...)"),
-        ({"strategy": "fsdp2", "pp_size": 2, "tp_size": 2}, 4, "no_plan", "derived from the module tree is not supported under pipeline"),
         ({"strategy": "fsdp2", "pp_size": 2}, 4, "generate", "generate() is not available on a pipeline-parallel"),
+        ({"strategy": "fsdp2", "pp_size": 2, "tp_size": 2}, 4, "tied_layouts", "(last stage) are laid out differently"),
         ({"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4}, 4, "batch", "A batch of 6 rows cannot be split"),
     ],
     ids=["ddp", "few_microbatches", "interleaved_without_virtual", "unknown", "virtual_without_interleaved", "zbv_three",
-         "fewer_layers_than_stages", "plain_call", "derived_tp_plan", "generate", "uneven_batch"],
+         "fewer_layers_than_stages", "plain_call", "generate", "tied_layouts_differ", "uneven_batch"],
 )  # fmt: skip
 def test_impossible_pipelines_are_refused_on_every_rank(ranks2, ranks4, layout, layers, call, expected):
     pool = ranks4 if layout.get("tp_size", 1) > 1 else ranks2
@@ -135,8 +156,9 @@ def test_padding_masks_and_positions_reach_every_stage(ranks2, packed):
         assert max(result["loss"], result["grad"]) <= TOLERANCE, result
 
 
-def test_lora_under_pp2_x_fsdp2(ranks4):
-    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
+@pytest.mark.parametrize("inner", [{}, {"tp_size": 2}], ids=["pp2_fsdp2", "pp2_tp2"])
+def test_lora_under_pp2_on_4_ranks(ranks4, inner):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b", **inner}
     for result in ranks4.run(pipeline.lora_parity, layout):
         assert max(result["loss"], result["grad"]) <= TOLERANCE, result
         assert result["adapters"] and not result["frozen_grads"], result

@@ -94,6 +94,14 @@ def pipeline_parity(model_type: str, layout: dict[str, Any], tie: bool | None = 
         "uncovered": sorted(set(plain) - covered),
         "stages": list(model.stage_indices),
         "same_loss_everywhere": _same_everywhere(loss),
+        # How many of this rank's parameters TP shards (a plan applied, not everything replicated).
+        "tp_sharded": sum(
+            1
+            for _, param in model.named_parameters()
+            if isinstance(param, DTensor)
+            for dim, placement in enumerate(param.placements)
+            if placement.is_shard() and param.device_mesh.mesh_dim_names[dim] == "tp"
+        ),
         # The mesh axes each routed-expert weight is sharded over (EP: "ep").
         "expert_axes": sorted(
             {
@@ -165,15 +173,17 @@ def clipped_norm(layout: dict[str, Any]) -> dict[str, float]:
 
 def pipeline_error(layout: dict[str, Any], call: str = "load", layers: int = LAYERS) -> str:
     """The error a pipelined load (or ``call``: ``forward`` / ``generate`` / ``batch`` on the loaded model) raises,
-    on this rank."""
-    # "no_plan": OPT, whose class declares no TP plan (TP would derive one).
-    config = tiny_config("opt" if call == "no_plan" else "llama", num_hidden_layers=layers)
+    on this rank. ``tied_layouts``: a tied Llama loaded with a plan that shards its embedding over the hidden size
+    and its head over the vocabulary."""
+    tied_layouts = call == "tied_layouts"
+    config = tiny_config("llama", num_hidden_layers=layers, tie_word_embeddings=tied_layouts)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config)
     directory = _saved(reference)
+    plan = {"model.embed_tokens": "embedding_colwise", "lm_head": "colwise_gather_output"} if tied_layouts else None
     try:
         context = MeshContext.build(**layout)
-        model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context)
+        model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context, tp_plan=plan)
         batch = token_batch(8, 8)
         if call == "forward":
             model(input_ids=batch)
