@@ -26,6 +26,9 @@ Contenders:
 - ``mmap``: each rank keeps ``safe_open(...).get_slice`` views of its chunks (pages of a private memory map of the
   file; no copy, the memory is not owned) -- the earlier floor, a reference only;
 - ``automodel``: ``NeMoAutoModelForCausalLM.from_pretrained(dir, mesh_context=MeshContext.build("fsdp2"))``;
+- ``read``: automodel's read path alone (``load_checkpoint``: the reader threads filling the local shards, the init of
+  what the checkpoint lacks, the agreement between ranks), the model built, checked, parallelized and materialized
+  before the span;
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=N))``.
 
 The report gives each contender's worst rank (the median over ``--repeats`` runs) and its ratio to the copying floor
@@ -46,7 +49,7 @@ from pathlib import Path
 from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from _ranks import init_rank, run_ranks
 
-CONTENDERS = ("floor", "mmap", "automodel", "transformers")
+CONTENDERS = ("floor", "mmap", "automodel", "read", "transformers")
 _MAX_READ = 1 << 30  # preadv moves at most ~2 GiB per call on Linux
 
 
@@ -181,10 +184,40 @@ def _load_transformers(directory: Path):
     )
 
 
+def _prepare_read(directory: Path):
+    """Everything of automodel's load before its read path: build on meta, check the checkpoint, parallelize,
+    materialize the local shards (outside the timed span of the ``read`` contender)."""
+    import torch
+    from transformers import AutoConfig
+
+    from automodel.auto_model import NeMoAutoModelForCausalLM
+    from automodel.distributed.parallelizer import parallelizer_for
+    from automodel.loading.loader import materialize, plan_checkpoint
+
+    config = AutoConfig.from_pretrained(directory)
+    dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype or torch.float32
+    model = NeMoAutoModelForCausalLM._build_on_meta(config, dtype, None, False)
+    plan = plan_checkpoint(model, directory)
+    model = parallelizer_for(model).parallelize(model, _load_automodel.context)
+    allocated = materialize(model, "cpu")
+    return model, plan, allocated
+
+
+def _load_automodel_read(directory: Path, prepared):
+    """automodel's read path alone: ``load_checkpoint`` (the reads, the init of what the checkpoint lacks, the
+    agreement between ranks) into the model ``_prepare_read`` made."""
+    from automodel.loading.loader import load_checkpoint
+
+    model, plan, allocated = prepared
+    load_checkpoint(model, plan, progress=False, allocated=allocated)
+    return model
+
+
 LOADERS = {
     "floor": _load_copying_floor,
     "mmap": _load_mmap_views,
     "automodel": _load_automodel,
+    "read": _load_automodel_read,
     "transformers": _load_transformers,
 }
 
@@ -212,14 +245,16 @@ def _rank_main(
     from automodel import MeshContext
     from automodel.auto_model import NeMoAutoModelForCausalLM  # noqa: F401
 
-    _load_automodel.context = MeshContext.build("fsdp2", tp_size=tp_size) if contender == "automodel" else None
+    automodel = contender in ("automodel", "read")
+    _load_automodel.context = MeshContext.build("fsdp2", tp_size=tp_size) if automodel else None
+    prepared = _prepare_read(Path(directory)) if contender == "read" else None
     dist.barrier()
     before = rss_bytes()
     reset_peak_rss()
     blocks = resource.getrusage(resource.RUSAGE_SELF).ru_inblock
     profiler = _start_profile() if profile and rank == 0 else None
     start, cpu_start = time.perf_counter(), time.process_time()
-    loaded = LOADERS[contender](Path(directory))
+    loaded = LOADERS[contender](Path(directory), *([prepared] if prepared else []))
     if profiler is not None:
         profiler.disable()
     with torch.no_grad():
