@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed
 # The tested range; pyproject.toml declares exactly it (tests/test_packaging.py checks that they agree).
 # DEFAULT is what `make test` and CI use; OLDEST and NEWEST are the two ends `make test-compat` runs.
 DEFAULT_VERSIONS := torch==2.13.0 transformers==5.24.0
-OLDEST_VERSIONS := torch==2.12.1 transformers==5.23.0
+OLDEST_VERSIONS := torch==2.11.0 transformers==5.23.0
 NEWEST_VERSIONS := torch==2.14.1 transformers==5.24.0
 EXTRAS := dev,gguf,datasets,peft,diffusion,tensorboard,wandb,mlflow
 # The compat virtualenvs leave the trackers out: no file of compat_tests.txt uses them.

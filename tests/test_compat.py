@@ -28,14 +28,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _declared() -> dict[str, str]:
-    """``{"torch": ">=2.12.1,<2.15", ...}`` from pyproject.toml's dependencies."""
+    """``{"torch": ">=2.11.0,<2.15", ...}`` from pyproject.toml's dependencies."""
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     pairs = (re.fullmatch(r"([A-Za-z0-9_.-]+)(.*)", dependency).groups() for dependency in dependencies)
     return {name: specifier for name, specifier in pairs if name in TESTED_RANGES}
 
 
 def _make_pins(variable: str) -> dict[str, str]:
-    """``{"torch": "2.12.1", "transformers": "5.22.0"}`` from a Makefile line ``VARIABLE := torch==... ...``."""
+    """``{"torch": "2.11.0", "transformers": "5.23.0"}`` from a Makefile line ``VARIABLE := torch==... ...``."""
     line = re.search(rf"^{variable} := (.*)$", (REPO / "Makefile").read_text(), re.MULTILINE)
     assert line, f"{variable} is missing from the Makefile"
     return dict(pin.split("==") for pin in line.group(1).split())
@@ -82,8 +82,8 @@ def test_missing_symbol_names_it_the_range_and_the_fix() -> None:
     message = str(raised.value)
     assert "torch.utils._pytree.tree_map_everything (mapping everything)" in message
     assert f"torch {importlib.metadata.version('torch')} does not have" in message
-    assert "tested with torch 2.12.1 to 2.14.1" in message
-    assert "pip install 'torch>=2.12.1,<2.15'" in message
+    assert "tested with torch 2.11.0 to 2.14.1" in message
+    assert "pip install 'torch>=2.11.0,<2.15'" in message
     assert "automodel/_compat/torch.py" in message
     assert isinstance(raised.value, ImportError) and raised.value.symbol == "torch.utils._pytree.tree_map_everything"
 

@@ -5,6 +5,7 @@ on every layout, EP included, give the same step as the plain model in one proce
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.cases.clipping import clipped_step_parity
 
@@ -21,6 +22,10 @@ DENSE = {
     "hsdp_x_tp2": (4, {"strategy": "fsdp2", "dp_replicate_size": 2, "tp_size": 2}),
     "tp2_sp": (2, {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}),
 }
+# torch 2.11's in-place foreach ops leave a Partial DTensor unchanged, so its own clip_grad_norm_ (foreach by default)
+# does not scale the gradients sequence parallelism leaves Partial (the norms' weights); torch 2.12 fixed it. On 2.11,
+# automodel.clip_grad_norm_ and torch's with foreach=False are exact (README, "Supported versions").
+FOREACH_SKIPS_PARTIAL = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
 
 
 def _assert_step(results: list[dict], weight_tolerance: float = TOLERANCE) -> None:
@@ -32,6 +37,9 @@ def _assert_step(results: list[dict], weight_tolerance: float = TOLERANCE) -> No
 
 @pytest.mark.parametrize(("world", "layout"), DENSE.values(), ids=DENSE.keys())
 def test_torch_clip_grad_norm_and_foreach_adamw(request, world, layout):
+    if FOREACH_SKIPS_PARTIAL and layout.get("sequence_parallel"):
+        reason = f"torch {torch.__version__}: _foreach_mul_ leaves sequence parallelism's Partial gradients unscaled"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     results = request.getfixturevalue(f"ranks{world}").run(clipped_step_parity, layout, "llama", "torch")
     assert all(result["all_dtensors"] for result in results), "every parameter is a DTensor on the model's mesh"
     _assert_step(results)

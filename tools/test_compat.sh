@@ -2,7 +2,7 @@
 # The quick tests of the files tools/compat_tests.txt lists (those that reach torch and transformers where their
 # versions differ) against one combination of torch and transformers, in a throwaway virtualenv.
 # Usage: tools/test_compat.sh EXTRAS REQUIREMENT... [-- PYTEST_ARGS...]
-#   e.g. tools/test_compat.sh dev,peft torch==2.12.1 transformers==5.22.0
+#   e.g. tools/test_compat.sh dev,peft torch==2.11.0 transformers==5.23.0
 # `make test-compat` runs it for the oldest and the newest combination of the tested range (see the Makefile).
 # KEEP_VENV=1 keeps the virtualenv and prints where it is.
 set -euo pipefail

@@ -1,7 +1,7 @@
 """Every private torch symbol automodel uses, imported once (see :mod:`automodel._compat`).
 
 "Known" gives the releases a symbol was checked in: from the oldest release checked (2.9.0) or the one it appeared
-in, to the newest tested one. The tested range is ``TESTED_RANGES["torch"]`` (2.12.1 to 2.14.1).
+in, to the newest tested one. The tested range is ``TESTED_RANGES["torch"]`` (2.11.0 to 2.14.1).
 
 Not wrapped, on purpose: ``nn.Module``'s own storage (``_parameters``, ``_buffers``, ``_non_persistent_buffers_set``),
 which the loader and the TP styles read and assign directly, as torch's own ``nn.Module`` methods and most of the

@@ -22,13 +22,13 @@ class VersionRange:
 
     @property
     def requirement(self) -> str:
-        """``"torch>=2.12.1,<2.15"``: what to install for a tested release."""
+        """``"torch>=2.11.0,<2.15"``: what to install for a tested release."""
         return f"{self.library}{self.specifier}"
 
 
 # pyproject.toml and the Makefile's OLDEST / NEWEST combinations say the same (tests/test_compat.py checks it).
 TESTED_RANGES: dict[str, VersionRange] = {
-    "torch": VersionRange("torch", oldest="2.12.1", newest="2.14.1", specifier=">=2.12.1,<2.15"),
+    "torch": VersionRange("torch", oldest="2.11.0", newest="2.14.1", specifier=">=2.11.0,<2.15"),
     "transformers": VersionRange("transformers", oldest="5.23.0", newest="5.24.0", specifier=">=5.23.0,<5.25"),
 }
 
