@@ -17,6 +17,7 @@ What keeps it fast on a GPU:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -80,22 +81,33 @@ def fused_linear_cross_entropy(
     chunk_size: int,
     vocab: Vocab = Vocab(),  # noqa: B008 - frozen, immutable
     transform: LogitTransform = LogitTransform(),  # noqa: B008 - frozen, immutable
+    compiled: bool | None = None,
 ) -> torch.Tensor:
     """``sum over valid rows of cross_entropy(transform(hidden @ weight.T + bias), targets) * scale``.
 
     ``hidden``: ``[tokens, hidden size]``; ``weight``: ``[local vocabulary, hidden size]``; ``targets``: global
     vocabulary ids, ``IGNORE_INDEX`` where a token carries no loss; ``scale``: a 0-d tensor (``1 / num_items``).
     A soft-capped model runs chunks of ``chunk_size // 2`` rows: the cap's derivative is held beside the logits.
+
+    ``compiled`` (default: on CUDA): each chunk's softmax, loss and logit gradient run as one ``torch.compile``d
+    function of the chunk's logits in the inputs' dtype, which reads them twice and writes their gradient once,
+    where the eager steps pass over fp32 copies about ten times. Not under a sharded vocabulary (its statistics are
+    combined between the passes).
     """
     rows = max(chunk_size // 2, 1) if transform.softcap is not None else chunk_size
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, scale, vocab, rows, transform)
+    if compiled is None:
+        compiled = hidden.is_cuda
+    chunk_fn = _compiled_softmax_cross_entropy() if compiled and vocab.group is None else None
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, scale, vocab, rows, transform, chunk_fn)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """The forward computes the loss and every gradient chunk by chunk; the backward scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, vocab: Vocab, chunk_size: int, transform: LogitTransform):
+    def forward(
+        ctx, hidden, weight, bias, targets, scale, vocab: Vocab, chunk_size: int, transform: LogitTransform, chunk_fn
+    ):
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         needs_grad = needs_hidden or needs_weight or needs_bias
         tokens = hidden.shape[0]
@@ -109,10 +121,20 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, tokens, chunk_size):
             rows = slice(start, start + chunk_size)
             chunk = hidden[rows]
+            weights = row_weight[rows]
+            if chunk_fn is not None and needs_grad:
+                losses, grad_logits, bias_part = chunk_fn(
+                    functional.linear(chunk, weight, bias), local_targets[rows], weights, transform, needs_bias
+                )
+                total += (losses * weights).sum()
+                if grad_bias is not None:
+                    grad_bias += bias_part
+                _accumulate(grad_logits, chunk, weight, rows, grad_hidden, grad_weight)
+                del grad_logits
+                continue
             # In the inputs' dtype (tensor cores), then upcast: the logits transformers' loss sees.
             logits = functional.linear(chunk, weight, bias).float()
             derivative = transform.apply_(logits)
-            weights = row_weight[rows]
             losses, grad_logits = _cross_entropy_(
                 logits, local_targets[rows], weights * transform.gradient_scale if needs_grad else None, vocab.group
             )
@@ -125,11 +147,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             del derivative
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(dim=0)
-            grad_logits = grad_logits.to(weight.dtype)
-            if grad_hidden is not None:
-                torch.mm(grad_logits, weight, out=grad_hidden[rows])
-            if grad_weight is not None:
-                grad_weight.add(grad_logits.t(), chunk)
+            _accumulate(grad_logits.to(weight.dtype), chunk, weight, rows, grad_hidden, grad_weight)
             del grad_logits
         if grad_hidden is not None and vocab.group is not None:
             dist.all_reduce(grad_hidden, group=vocab.group)  # each rank's part covers its vocabulary rows
@@ -149,7 +167,57 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad.mul_(grad_output.to(grad.dtype)) if needed else None
             for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3], strict=True)
         ]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _accumulate(grad_logits, chunk, weight, rows, grad_hidden, grad_weight) -> None:
+    """Multiply one chunk's logit gradient (in the weight's dtype) into the hidden states' and the head's gradients."""
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden[rows])
+    if grad_weight is not None:
+        grad_weight.add(grad_logits.t(), chunk)
+
+
+def softmax_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    grad_weights: torch.Tensor,
+    transform: LogitTransform,
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk, out of place (what ``torch.compile`` fuses): the per-row cross-entropy of ``transform(logits)``
+    (computed in fp32), its gradient with respect to ``logits``, ``(softmax - one_hot) * weight`` through the
+    transform, in ``logits``' dtype, and with ``bias_grad`` that gradient's column sums in fp32 (the bias's part,
+    summed before rounding). Rows whose target is outside the vocabulary (ignored) get a finite loss."""
+    values = logits.float()
+    derivative = None
+    if transform.multiply is not None:
+        values = values * transform.multiply
+    if transform.divide is not None:
+        values = values / transform.divide
+    if transform.softcap is not None:
+        tanh = torch.tanh(values / transform.softcap)
+        derivative = 1.0 - tanh * tanh
+        values = tanh * transform.softcap
+    here = (targets >= 0) & (targets < values.shape[1])
+    index = torch.where(here, targets, 0).unsqueeze(-1)
+    target_logit = torch.where(here, values.gather(1, index).squeeze(-1), 0.0)
+    maximum = values.amax(dim=-1, keepdim=True)
+    exponentials = torch.exp(values - maximum)
+    normalizer = exponentials.sum(dim=-1)
+    losses = normalizer.log() + maximum.squeeze(-1) - target_logit
+    scaled = grad_weights * transform.gradient_scale
+    grad = exponentials * (scaled / normalizer).unsqueeze(-1)
+    grad = grad.scatter_add(1, index, torch.where(here, -scaled, 0.0).unsqueeze(-1))
+    if derivative is not None:
+        grad = grad * derivative
+    return losses, grad.to(logits.dtype), grad.sum(dim=0) if bias_grad else None
+
+
+@functools.cache
+def _compiled_softmax_cross_entropy():
+    """``softmax_cross_entropy`` compiled once per process (the chunk length is dynamic after it first changes)."""
+    return torch.compile(softmax_cross_entropy)
 
 
 class _ChunkSum:
