@@ -71,7 +71,7 @@ SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
 # automodel with the library's defaults, then the variants: +eager (compile=False), +fused / +model (that loss),
 # +chunkN (the fused loss over chunks of N tokens).
 TRAIN_OPTIONS = ("eager", "fused", "model")
-DEFAULT_CONTENDERS = "automodel,automodel+eager,automodel+fused,automodel+model,transformers"
+DEFAULT_CONTENDERS = "automodel,automodel+eager,automodel+model,transformers"
 
 
 def _device():
@@ -225,7 +225,7 @@ def _automodel_step(directory: Path, options: set[str], chunk: int | None):
 
     from automodel import MeshContext, NeMoAutoModelForCausalLM
     from automodel.training.loop import train_step
-    from automodel.training.loss import make_loss
+    from automodel.training.loss import choose_loss
     from automodel.training.optim import clip_grad_norm
 
     context = MeshContext.build("fsdp2", **({"compile": False} if "eager" in options else {}))
@@ -235,7 +235,8 @@ def _automodel_step(directory: Path, options: set[str], chunk: int | None):
     kind = "fused" if "fused" in options else "model" if "model" in options else defaults["loss"]
     chunks = [int(option[5:]) for option in options if option.startswith("chunk")]
     chunk = chunks[0] if chunks else chunk or defaults["loss_chunk_size"]
-    loss_fn = make_loss(kind, chunk)
+    loss_fn, line = choose_loss(kind, chunk, model)
+    kind = line.split()[1]  # what "auto" chose
 
     def step(micro_batches):
         train_step(model, micro_batches, context, loss_fn)
@@ -301,7 +302,7 @@ def training(directory: Path, contender: str, args: argparse.Namespace) -> dict:
     mfu = model_flops_utilization(tokens_per_s, flops, args.peak_tflops if torch.cuda.is_available() else None, world)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     model = step_fn = None  # noqa: F841 (frees the model before the next contender)
-    torch._dynamo.reset()  # the compiled graphs hold the model's memory
+    torch.compiler.reset()  # the compiled graphs hold the model's memory
     _free()
     return {
         **settings,

@@ -15,7 +15,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from automodel.training.config import ConfigError, load_config
 from automodel.training.linear_cross_entropy import LogitTransform, fused_linear_cross_entropy
-from automodel.training.loss import FusedLinearCrossEntropy, ModelLoss, check_fused_loss_support, make_loss
+from automodel.training.loss import (
+    FusedLinearCrossEntropy,
+    ModelLoss,
+    check_fused_loss_support,
+    choose_loss,
+    make_loss,
+)
 from tests.cases.loss import fused_loss_parity
 from tests.tiny_models import _DENSE, VOCAB, build_model, tiny_config, token_batch
 
@@ -132,6 +138,32 @@ def test_a_head_with_a_bias_and_shifted_labels(transform):
         assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_chunk_equals_the_eager_chunks(dtype):
+    """The path CUDA takes by default (each chunk's softmax, loss and logit gradient one ``torch.compile``d function;
+    inductor's C++ here): the loss and both gradients of the eager chunks, for each logit transform, ignored targets,
+    an uneven last chunk (the length turns dynamic) and a bias."""
+    torch.compiler.reset()
+    generator = torch.Generator().manual_seed(0)
+    for transform in (LogitTransform(), LogitTransform(softcap=2.0), LogitTransform(multiply=0.5)):
+        hidden = torch.randn(37, 16, generator=generator).to(dtype)
+        weight = torch.randn(50, 16, generator=generator).to(dtype)
+        bias = torch.randn(50, generator=generator).to(dtype)
+        targets = torch.randint(0, 50, (37,), generator=generator).masked_fill(torch.arange(37) % 5 == 0, -100)
+        results = []
+        for compiled in (False, True):
+            inputs = [tensor.clone().requires_grad_() for tensor in (hidden, weight, bias)]
+            loss = fused_linear_cross_entropy(
+                *inputs, targets, torch.tensor(1 / 30), chunk_size=8, transform=transform, compiled=compiled
+            )
+            loss.backward()
+            results.append([loss.detach(), *(tensor.grad for tensor in inputs)])
+        for eager, compiled in zip(*results, strict=True):
+            assert (eager.float() - compiled.float()).abs().max().item() <= TOLERANCE, transform
+    torch.compiler.reset()
+
+
 class _RecordOps(TorchDispatchMode):
     """Records every aten op with the dtypes of its tensor arguments."""
 
@@ -188,7 +220,7 @@ def test_config_keys(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("recipe: pretrain\nmodel: {path: m}\ndata: {path: d}\n")
     default = load_config(path)
-    assert default.train.loss == "model" and isinstance(make_loss("model", 1024), ModelLoss)
+    assert default.train.loss == "auto" and isinstance(make_loss("model", 1024), ModelLoss)
     assert default.train.loss_chunk_size == 4096
     fused = load_config(path, ["train.loss=fused", "train.loss_chunk_size=2048"])
     assert make_loss(fused.train.loss, fused.train.loss_chunk_size) == FusedLinearCrossEntropy(2048)
@@ -203,6 +235,21 @@ def test_config_keys(tmp_path):
         load_config(path, ["train.loss_chunk_size=0"])
     with pytest.raises(ConfigError, match="train.loss=fused runs with layout.strategy=fsdp2 or ddp"):
         load_config(path, ["train.loss=fused", "layout.strategy=megatron_fsdp"])
+
+
+def test_auto_is_the_fused_loss_where_it_is_exact_else_the_model_loss():
+    """``train.loss: auto`` (the default): the fused loss for a plain linear head, the model's own loss (with the
+    reason in the log line) where the fused one cannot be exact or the layout rules it out."""
+    model = build_model(tiny_config("llama"))
+    loss, line = choose_loss("auto", 256, model)
+    assert loss == FusedLinearCrossEntropy(256) and line == "loss: fused (auto), chunks of 256 tokens"
+    loss, line = choose_loss("auto", 256, model, fused_refusal="the fused loss runs with fsdp2 or ddp")
+    assert loss == ModelLoss() and "auto; the fused loss is not exact here: the fused loss runs with fsdp2" in line
+    routed = build_model(tiny_config("llama"))
+    routed.config.output_router_logits = True
+    loss, line = choose_loss("auto", 256, routed)
+    assert loss == ModelLoss() and "output_router_logits=True" in line, line
+    assert choose_loss("model", 256, model) == (ModelLoss(), "loss: model")
 
 
 @pytest.mark.distributed

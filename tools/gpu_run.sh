@@ -31,14 +31,14 @@ run() {  # run NAME SECONDS COMMAND...
 
 for part in $PARTS; do
     case $part in
-        1b) run gpu_1b 240 benchmarks/gpu_check.py --shape 1b --dir /tmp/llama_1b --out "$OUT/gpu_1b.json" \
-            --load-repeats 3 --contenders "${CONTENDERS_1B:-automodel,automodel+eager,automodel+fused,automodel+fused+chunk1024,transformers}" ;;
-        8b) run gpu_8b 270 benchmarks/gpu_check.py --shape 8b --dir /tmp/llama_8b --out "$OUT/gpu_8b.json" \
-            --load-repeats 2 --warmup 2 --steps 4 --contenders "${CONTENDERS_8B:-automodel,automodel+fused,transformers}" ;;
-        loss) timeout 120 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 8192 --hidden 2048 \
+        1b) run gpu_1b 200 benchmarks/gpu_check.py --shape 1b --dir /tmp/llama_1b --out "$OUT/gpu_1b.json" \
+            --load-repeats 3 --contenders "${CONTENDERS_1B:-automodel,automodel+eager,automodel+model,automodel+fused+chunk1024,transformers}" ;;
+        8b) run gpu_8b 230 benchmarks/gpu_check.py --shape 8b --dir /tmp/llama_8b --out "$OUT/gpu_8b.json" \
+            --load-repeats 2 --warmup 2 --steps 4 --contenders "${CONTENDERS_8B:-automodel,automodel+model,transformers}" ;;
+        loss) timeout 60 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 8192 --hidden 2048 \
             --chunks 1024,2048,4096,8192 --rounds 5 --out "$OUT/loss.json" > "$OUT/loss.log" 2>&1
             echo "loss: exit $?" | tee -a "$OUT/times.txt" ;;
-        checks) run cuda_checks 120 tools/cuda_checks.py --out "$OUT/cuda_checks.json" \
+        checks) run cuda_checks 90 tools/cuda_checks.py --out "$OUT/cuda_checks.json" \
             --only fsdp2_load_parity,sft_recipe ;;
     esac
 done

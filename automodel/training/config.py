@@ -148,8 +148,9 @@ class TrainSection:
     # Peak dense TFLOP/s of one device (e.g. 989 for an H100 in bf16): the log then shows MFU.
     peak_tflops: float | None = None
     # "fused": the head and cross-entropy over chunks of loss_chunk_size tokens, each chunk's gradients computed in
-    # the forward, never the full logits ("chunked": its deprecated name, accepted with a warning for one release).
-    loss: Literal["model", "fused", "chunked"] = "model"
+    # the forward, never the full logits ("chunked": its deprecated name, accepted with a warning for one release);
+    # "auto": fused wherever it is exact for the model (measured faster), else "model".
+    loss: Literal["auto", "model", "fused", "chunked"] = "auto"
     loss_chunk_size: int = 4096
     # With gradient accumulation under FSDP2: "step" reduces the gradients once, after the last micro batch (half the
     # collectives; a rank holds its units' unsharded gradients through the accumulation, up to the whole model's);

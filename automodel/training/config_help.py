@@ -57,7 +57,7 @@ KEY_MEANINGS = {
     "train.stop_after_steps": "end this run after this many steps, with a checkpoint; the next run resumes",
     "train.eval_every_steps": "with data.validation_path: evaluate every this many steps (0: at the end)",
     "train.peak_tflops": "one device's peak TFLOP/s: the step line then shows MFU",
-    "train.loss": "model (the model's own loss) or fused (one chunk of logits at a time; chunked: its old name)",
+    "train.loss": "auto (fused where exact, else model), model (the model's own loss), fused (chunked: its old name)",
     "train.loss_chunk_size": "tokens per chunk of train.loss=fused",
     "train.grad_sync": "FSDP2 gradient reduction: step (after the last micro batch) or micro_batch (less memory)",
     "train.pp_microbatches": "with layout.pp_size > 1: microbatches per step (null: the accumulation steps)",

@@ -39,7 +39,7 @@ from .config import (
 )
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
-from .loss import FusedLinearCrossEntropy, LossFunction, ModelLoss, make_loss
+from .loss import FusedLinearCrossEntropy, LossFunction, ModelLoss, choose_loss
 from .metrics import flops_per_token, model_flops_utilization
 from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedule
 from .packing import check_packed_attention
@@ -324,7 +324,9 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     validation = _validation_set(config, tokenizer)
     optimizer = make_optimizer(model, train)
     scheduler = make_scheduler(optimizer, train)
-    loss_fn = make_loss(train.loss, train.loss_chunk_size)
+    megatron = "the fused loss runs with fsdp2 or ddp" if config.layout.strategy == "megatron_fsdp" else None
+    loss_fn, loss_line = choose_loss(train.loss, train.loss_chunk_size, model, fused_refusal=megatron)
+    log_rank_zero(logger, "%s", loss_line)
     _log_grad_sync(config, loader.grad_accumulation_steps)
     result = TrainResult()
     resume = latest_checkpoint(config.checkpoint.dir)

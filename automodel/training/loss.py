@@ -33,7 +33,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from .data import IGNORE_INDEX
 from .linear_cross_entropy import LogitTransform, Vocab, fused_linear_cross_entropy
 
-__all__ = ["FusedLinearCrossEntropy", "LossFunction", "ModelLoss", "check_fused_loss_support", "make_loss"]
+__all__ = [
+    "choose_loss",
+    "FusedLinearCrossEntropy",
+    "LossFunction",
+    "ModelLoss",
+    "check_fused_loss_support",
+    "make_loss",
+]
 
 TP_AXIS = "tp"
 # Tokens per chunk: the matrix products of a chunk (K = chunk) keep a GPU's tensor cores busy and the head's gradient
@@ -110,9 +117,33 @@ class FusedLinearCrossEntropy:
         )
 
 
+def choose_loss(
+    kind: str, chunk_size: int, model: nn.Module, *, fused_refusal: str | None = None
+) -> tuple[LossFunction, str]:
+    """The loss ``train.loss`` names, for ``model``, and a line for the log saying which and why.
+
+    ``"auto"`` (the default) is the fused loss wherever it computes the model's own loss exactly (measured faster
+    than the model's loss and without its logits' memory: docs/performance.md, "Loss"), else the model's loss, the
+    reason said. ``fused_refusal``: why the layout rules the fused loss out (Megatron-FSDP). The decision reads the
+    whole model (a pipeline's meta copy), so every rank makes the same one.
+    """
+    if kind != "auto":
+        return make_loss(kind, chunk_size), f"loss: {'fused' if kind == 'chunked' else kind}"
+    reason = fused_refusal
+    if reason is None:
+        try:
+            check_fused_loss_support(getattr(model, "whole_on_meta", model))
+        except ValueError as refusal:
+            reason = str(refusal)
+    if reason is not None:
+        return ModelLoss(), f"loss: model (auto; the fused loss is not exact here: {reason})"
+    return FusedLinearCrossEntropy(chunk_size), f"loss: fused (auto), chunks of {chunk_size} tokens"
+
+
 def make_loss(kind: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> LossFunction:
     """The loss ``train.loss`` names: ``"model"`` or ``"fused"`` (with ``train.loss_chunk_size``). ``"chunked"``,
-    the fused loss's name until it replaced the chunked one, is accepted with a warning for one release."""
+    the fused loss's name until it replaced the chunked one, is accepted with a warning for one release. For
+    ``"auto"`` (which needs the model) see :func:`choose_loss`."""
     if kind == "model":
         return ModelLoss()
     if kind == "chunked":
