@@ -176,6 +176,7 @@ def test_megatron_fsdp_with_context_parallel_is_refused_at_build(ranks2):
                 "Parallelizing LlamaForCausalLM with ModelParallelizer on the dense FSDP2 path",
                 "TP over tp=2 (plan: 9 rules from the model)",
                 "AC full on 4 modules of 2 blocks",
+                "compile: off (auto, cpu)",
                 "FSDP2 units: 2 layers + embeddings + LlamaRMSNorm + head + root over dp_shard_cp=2; reshard after "
                 "forward: all but the last layer and the head; layers prefetch",
             ],
@@ -188,6 +189,7 @@ def test_megatron_fsdp_with_context_parallel_is_refused_at_build(ranks2):
                 "TP over tp=2 (plan: 6 rules from the model)",
                 "EP over ep=2: 2 experts modules",
                 "AC selective on 4 modules of 2 blocks",
+                "compile: off (auto, cpu)",
                 "FSDP2 units: 2 experts over ep_shard=2; 2 layers + embeddings + MixtralRMSNorm + head + root over "
                 "dp_shard_cp=2; reshard after forward: all but the last layer and the head; "
                 "layers prefetch",
@@ -199,6 +201,7 @@ def test_megatron_fsdp_with_context_parallel_is_refused_at_build(ranks2):
             [
                 "Parallelizing LlamaForCausalLM with ModelParallelizer on the DDP path",
                 "AC full on 4 modules of 2 blocks",
+                "compile: off (auto, cpu)",
                 "DDP over dp=4",
             ],
         ),

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from automodel._compat.torch import StridedShard
-from automodel.distributed.runtime import collective_device, rank, world_size
+from automodel.distributed.runtime import collective_device, full_tensor, rank, world_size
 
 from .placements import index_runs_at, local_index_runs
 
@@ -172,7 +172,7 @@ def gathered_to(tensor: torch.Tensor, owner: int) -> torch.Tensor | None:
     if mesh.size() != world or any(
         placement.is_partial() or isinstance(placement, StridedShard) for placement in tensor.placements
     ):
-        full = tensor.full_tensor()
+        full = full_tensor(tensor)
         return full if own_rank == owner else None
     replicated = [dim for dim, placement in enumerate(tensor.placements) if placement.is_replicate()]
     local = tensor.to_local()
