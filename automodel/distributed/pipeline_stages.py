@@ -40,12 +40,16 @@ __all__ = [
     "StageForward",
     "build_stage",
     "pipeline_roles",
+    "stage_forward",
     "stage_layer_counts",
     "whole_model",
 ]
 
 #: Set on a stage module (in its ``__dict__``, not as a submodule): the whole model (on meta) it was cut from.
 PIPELINE_STAGE_ATTRIBUTE = "_automodel_pipeline_stage"
+# The stage's StageForward: the parallelizer may wrap ``stage.forward`` (TP hands back owned outputs), so the pipeline
+# reaches the object it set through here, not through ``stage.forward``.
+_STAGE_FORWARD_ATTRIBUTE = "_automodel_stage_forward"
 
 _TRACE_LENGTH = 8
 
@@ -314,8 +318,14 @@ def build_stage(model: nn.Module, roles: PipelineRoles, layers: range, *, first:
             setattr(parent, child, stand_in)
     own = [stage.get_submodule(roles.layers[index]) for index in layers]
     stage.forward = StageForward(stage, own[0], own[-1], first=first, last=last)
+    stage.__dict__[_STAGE_FORWARD_ATTRIBUTE] = stage.forward
     stage.__dict__[PIPELINE_STAGE_ATTRIBUTE] = model
     return stage
+
+
+def stage_forward(stage: nn.Module) -> StageForward:
+    """The :class:`StageForward` :func:`build_stage` gave ``stage`` (whatever wraps ``stage.forward`` since)."""
+    return stage.__dict__[_STAGE_FORWARD_ATTRIBUTE]
 
 
 def whole_model(module: nn.Module) -> nn.Module:

@@ -11,9 +11,10 @@ stage then hands it the head's input instead of the logits. Each step also measu
 of the step each rank spends outside its stages' forward and backward computations (waiting for activations and
 gradients), averaged over the pipeline ranks (``last_bubble``).
 
-Tied embeddings work: the first stage holds the input embedding, the last a copy of it as the head's weight (both
-loaded from the same checkpoint tensor); after each backward their gradients are summed between the two stages
-(Megatron's embedding group), so both take the same optimizer step and stay equal.
+Tied embeddings work: the first stage holds the input embedding, the last a copy of it as the head's weight; their
+gradients are summed between the two stages after each backward (:mod:`.pipeline_tied`). A step that raises on one
+rank ends on every rank within moments, each raising a ``StageFailure`` naming its stage and, where the error arose,
+the module (:mod:`.pipeline_failure`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from automodel._compat.torch import pipeline_stage
 
 from .parallel_model import ParallelizedModel
+from .pipeline_failure import ending_every_stage_on_failure
 from .pipeline_layout import V_SHAPED_SCHEDULES, PipelineLayout
+from .pipeline_stages import stage_forward
+from .pipeline_tied import check_tied_layouts, embedding_group, sum_tied_gradients, tied_layouts, tied_pairs
 from .runtime import full_tensor
 
 __all__ = ["HeadLoss", "PipelinedModel", "pipeline_norm_group"]
@@ -110,10 +113,10 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         self.last_bubble: float | None = None  # the last step's idle share, averaged over the pipeline ranks
         self._is_first = 0 in stage_indices
         self._is_last = layout.num_stages - 1 in stage_indices
-        self._tied = self._tied_pairs(tied)
         self._tied_names = list(tied)
+        self._tied = tied_pairs(dict(self.named_parameters()), tied, is_first=self._is_first, is_last=self._is_last)
         # Every rank creates every embedding group (new_group is collective), whether it holds a tied pair or not.
-        self._embedding_group = _embedding_group(layout) if tied else None
+        self._embedding_group = embedding_group(layout) if tied else None
         self._owners = self._tensor_owners()
         for name, param in self.named_parameters():
             counted = not (self._is_last and name in {head for _, head in tied})  # its embedding twin counts
@@ -185,39 +188,16 @@ class PipelinedModel(ParallelizedModel, nn.Module):
     def _tensor_owners(self) -> dict[str, int]:
         """Every state tensor of the whole model -> the pipeline rank whose stages hold it (the lowest, for the
         buffers every stage holds). The same exchange checks that each tied pair split between the first and the
-        last stage is laid out alike on both (:meth:`_check_tied_layouts`)."""
-        mine = (list(self.state_dict()), self._tied_layouts())
+        last stage is laid out alike on both (:func:`~.pipeline_tied.check_tied_layouts`)."""
+        mine = (list(self.state_dict()), tied_layouts(dict(self.named_parameters()), self._tied_names))
         everyone: list[tuple[list[str], dict]] = [None] * self.layout.size  # type: ignore[list-item]
         dist.all_gather_object(everyone, mine, group=self._group)
         owners: dict[str, int] = {}
         for rank, (names, _) in enumerate(everyone):
             for name in names:
                 owners.setdefault(name, rank)
-        self._check_tied_layouts([layouts for _, layouts in everyone])
+        check_tied_layouts([layouts for _, layouts in everyone], self._tied_names)
         return owners
-
-    def _tied_layouts(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """This rank's tied embedding and head copies: name -> (placements, local shape)."""
-        held = dict(self.named_parameters())
-        return {
-            name: (str(getattr(held[name], "placements", None)), tuple(_local(held[name]).shape))
-            for pair in self._tied_names
-            for name in pair
-            if name in held
-        }
-
-    def _check_tied_layouts(self, layouts: list[dict[str, tuple[str, tuple[int, ...]]]]) -> None:
-        """Raise (on every rank of the pipeline) when the first stage's embedding and the last stage's head, one
-        tied weight, are sharded differently: their gradients could not be summed slice by slice. Without PP the
-        TP step refuses such a plan for the one tied parameter; under PP each stage is parallelized alone."""
-        seen = {name: layout for held in layouts for name, layout in held.items()}
-        for embedding, head in self._tied_names:
-            if embedding in seen and head in seen and seen[embedding] != seen[head]:
-                raise ValueError(
-                    f"The tied parameters {embedding} (first pipeline stage) and {head} (last stage) are laid out "
-                    f"differently: {seen[embedding]} vs {seen[head]} (placements, local shape). Give them the same "
-                    "placement in the TP plan, or untie them (tie_word_embeddings=False)."
-                )
 
     def gatherer(self) -> Callable[[str], torch.Tensor | None]:
         """For an export: a function that, called collectively (every rank, every name in the same order), gives
@@ -322,15 +302,17 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         target = shifted if self._is_last else None
         losses: list[torch.Tensor] = []
         self._busy, start = 0.0, time.perf_counter()
+        failing = ending_every_stage_on_failure(list(self.stages), self.stage_indices, self.layout.num_stages)
         try:
-            if train:
-                self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-                self._sum_tied_gradients()
-            elif self.layout.schedule in V_SHAPED_SCHEDULES:
-                self._eval_by_a_step(args, target, losses, kwargs)
-            else:
-                with torch.no_grad():
-                    self._schedule.eval(*args, target=target, losses=losses, **kwargs)
+            with failing:
+                if train:
+                    self._schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+                    sum_tied_gradients(self._tied, self._embedding_group)
+                elif self.layout.schedule in V_SHAPED_SCHEDULES:
+                    self._eval_by_a_step(args, target, losses, kwargs)
+                else:
+                    with torch.no_grad():
+                        self._schedule.eval(*args, target=target, losses=losses, **kwargs)
         finally:
             self._head_loss = None
         idle = max(0.0, 1.0 - self._busy / max(time.perf_counter() - start, 1e-9))
@@ -377,7 +359,7 @@ class PipelinedModel(ParallelizedModel, nn.Module):
         microbatch)."""
         shape, head_input = key
         if self._is_last:
-            self._last_stage().forward.return_head_input = head_input
+            stage_forward(self._last_stage()).return_head_input = head_input
         stages = [
             pipeline_stage(stage, index, self.layout.num_stages, self._device, group=self._group)
             for stage, index in zip(self.stages, self.stage_indices, strict=True)
@@ -398,70 +380,6 @@ class PipelinedModel(ParallelizedModel, nn.Module):
             return method(*args, **kwargs)
         finally:
             self._busy += time.perf_counter() - start
-
-    # -- tied embeddings ------------------------------------------------------------------------------------------------
-
-    def _tied_pairs(self, tied: list[tuple[str, str]]) -> list[list[torch.Tensor]]:
-        """The local parameters of each tied (embedding, head) pair split between the first and the last stage:
-        one of them on each of the two ranks, or both on a rank holding both stages (the V-shaped schedules)."""
-        if not tied or not (self._is_first or self._is_last):
-            return []
-        parameters = dict(self.named_parameters())
-        held = [name for name, side in ((0, self._is_first), (1, self._is_last)) if side]
-        return [[parameters[pair[side]] for side in held] for pair in tied]
-
-    def _sum_tied_gradients(self) -> None:
-        """Sum the gradients of the embedding (first stage) and its copy as the head (last stage): between the two
-        stages' ranks (each stage-group coordinate's ranks holding them), or locally when one rank holds both.
-
-        Each gradient is first laid out as its parameter (:func:`_laid_out_as_parameter`): under TP the two copies'
-        gradients may come out of their backwards with different placements (a vocab-sharded embedding's lookup
-        gradient is replicated, the colwise head's is sharded), and their local tensors would not be the same slice
-        (nor of the same size) of the one tied weight."""
-        for params in self._tied:
-            grads = [_laid_out_as_parameter(param) for param in params if param.grad is not None]
-            if not grads:
-                continue
-            local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
-            if len(params) == 2:
-                total = sum(local[1:], local[0].clone())
-                for grad in local:
-                    grad.copy_(total)
-            else:
-                dist.all_reduce(local[0], group=self._embedding_group)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _laid_out_as_parameter(param: torch.Tensor) -> torch.Tensor:
-    """``param.grad`` with ``param``'s placements (set back as its ``.grad``): DTensor's embedding backward gives a
-    vocab-sharded (``Shard(0)``) embedding a replicated gradient; redistributing it keeps this rank's rows (no
-    collective for a replicated gradient, a reduce-scatter over the parameter's mesh for a partial one)."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-        grad = grad.redistribute(param.device_mesh, param.placements)
-        param.grad = grad
-    return grad
-
-
-def _embedding_group(layout: PipelineLayout) -> Any:
-    """The process groups of the first and the last stage's ranks, ``(pp=first, c)`` and ``(pp=last, c)``, for every
-    stage-group coordinate ``c``; this rank's one (every rank must create every group, in the same order). ``None``
-    when one pipeline rank holds both stages."""
-    first, last = layout.stage_rank(0), layout.stage_rank(layout.num_stages - 1)
-    if first == last:
-        return None
-    world = dist.get_world_size()
-    per_stage = world // layout.size
-    mine = None
-    for coordinate in range(per_stage):
-        ranks = [first * per_stage + coordinate, last * per_stage + coordinate]
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
 
 
 def _is_stand_in(module: nn.Module | None) -> bool:
