@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from automodel.training.run_log import FAILURE_DIR_VARIABLE, RunLog, report_failure
+from automodel.training.run_log import (
+    FAILURE_DIR_VARIABLE,
+    RunLog,
+    record_progress,
+    report_failure,
+    worker_failure_line,
+)
 from tests.cases.training import save_tiny_chat_checkpoint
 from tests.conftest import REPO
 
@@ -77,6 +84,83 @@ def test_a_run_that_dies_without_a_report_says_so(tmp_path):
     assert stopped.finish(130, "sft", signalled=True) == [f"automodel sft: log in {stopped.path}"]
 
 
+class _Chunks(io.RawIOBase):
+    """A pipe that returns the given chunks one read at a time."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = list(chunks)
+
+    def read(self, size: int = -1) -> bytes:
+        return self._chunks.pop(0) if self._chunks else b""
+
+
+def _report_in_attempt(monkeypatch, log: RunLog, attempt: int, rank: int, error: Exception) -> None:
+    monkeypatch.setenv(FAILURE_DIR_VARIABLE, str(log.failures))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+    try:
+        raise error
+    except type(error) as raised:
+        report_failure(raised, rank)
+
+
+def test_a_restart_marker_is_taken_out_announced_once_and_unmutes_the_output(tmp_path, monkeypatch):
+    """Attempt 0: rank 0 reports a connection error (the output goes to the file only), torchrun finds rank 1 killed
+    and restarts: the marker, split between two reads and present in both streams, becomes one line on the terminal;
+    the restarted attempt's output shows again, and the run that then succeeds ends without a summary."""
+    log = RunLog(tmp_path, "sft", max_restarts=1)
+    record_progress_at(monkeypatch, log, 7)
+    _report_in_attempt(monkeypatch, log, 0, 0, RuntimeError("Connection reset by peer"))
+    marker = worker_failure_line(-9, 1)
+    stdout, stderr = _Terminal(), _Terminal()
+    log.pump(
+        _Chunks(
+            [b"Traceback (most recent call last):\nRuntimeError\n", marker[:10], marker[10:] + b"step 8 | loss 1.0\n"]
+        ),
+        stdout,
+    )
+    log.pump(_Chunks([b"stderr of attempt 0\n" + marker + b"restart 1 of 1: resuming\n"]), stderr)
+    lines = log.finish(0, "sft")
+    restart = "automodel sft: rank 1 died (SIGKILL) after step 7; torchrun restarts the processes (restart 1 of 1)"
+    terminal = stdout.getvalue() + stderr.getvalue()
+    assert terminal.count(restart) == 1 and "Traceback" not in terminal and "attempt 0" not in terminal, terminal
+    assert "step 8 | loss 1.0\n" in stdout.getvalue() and "restart 1 of 1: resuming\n" in stderr.getvalue()
+    assert "@@automodel" not in terminal and lines == [f"automodel sft: log in {log.path}"]
+    text = log.path.read_text()
+    assert "Traceback" in text and "stderr of attempt 0" in text and restart in text and "@@automodel" not in text
+
+
+def record_progress_at(monkeypatch, log: RunLog, step: int) -> None:
+    monkeypatch.setenv(FAILURE_DIR_VARIABLE, str(log.failures))
+    record_progress(step)
+
+
+def test_the_failure_that_ends_a_restarted_run_is_summarized_not_the_first(tmp_path, monkeypatch):
+    """Restarts used up: the summary is of the last attempt's reports; a failure past the restarts is not
+    announced as a restart."""
+    log = RunLog(tmp_path, "pretrain", max_restarts=1)
+    _report_in_attempt(monkeypatch, log, 0, 1, ValueError("first attempt's error"))
+    _report_in_attempt(monkeypatch, log, 1, 1, ValueError("second attempt's error"))
+    stderr = _Terminal()
+    log.pump(
+        _Chunks([worker_failure_line(1, 1), b"restarted\n", worker_failure_line(1, 1), b"after the end\n"]), stderr
+    )
+    lines = log.finish(1, "pretrain")
+    assert stderr.getvalue().count("torchrun restarts the processes") == 1, stderr.getvalue()
+    assert "rank 1 failed (ValueError: first attempt's error) before its first step" in stderr.getvalue()
+    assert "after the end" not in stderr.getvalue()  # the last attempt had failed (its report is there)
+    assert lines[0] == "automodel pretrain: rank 1 failed: ValueError: second attempt's error", lines
+
+
+def test_a_process_killed_with_no_restart_left_is_named(tmp_path):
+    log = RunLog(tmp_path, "sft")
+    log.pump(_Chunks([worker_failure_line(-9, 0)]), _Terminal())
+    lines = log.finish(1, "sft")
+    assert lines[0] == (
+        "automodel sft: rank 0 died (SIGKILL) before its first step without a Python error (killed by a signal, or "
+        "out of memory?)"
+    ), lines
+
+
 def _automodel(tmp_path: Path, model: Path, data: Path) -> tuple[subprocess.CompletedProcess, float]:
     config = tmp_path / "sft.yaml"
     config.write_text(
@@ -136,3 +220,87 @@ def test_a_model_forward_error_fits_one_screen(tmp_path):
     result, _ = _automodel(tmp_path, model, CHAT_DATA)
     text = _check_one_screen(result, tmp_path, "failed: IndexError: index out of range in self")
     assert "automodel/training/loop.py" in result.stderr and "in forward" in text
+
+
+def _faulty_automodel(
+    tmp_path: Path, fault: str, rank: int, extra: str, *options: str
+) -> tuple[subprocess.CompletedProcess, float]:
+    """The ``automodel sft`` command on the tiny chat model with ``fault`` injected into rank ``rank``'s first attempt
+    (``tests/scripts/fault_injection``); the result and the seconds from the fault to the command's end."""
+    from tests.cases.training import CHAT_DATA
+
+    model = save_tiny_chat_checkpoint(tmp_path / "model")
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        f"recipe: sft\nmodel: {{path: {model}}}\ndata: {{path: {CHAT_DATA}}}\nlog: {{dir: logs}}\n"
+        "train: {max_steps: 12, global_batch_size: 8, micro_batch_size: 2, seq_len: 48, lr: 3.0e-3}\n" + extra
+    )
+    fault_time = tmp_path / "fault_time"
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "scripts" / "fault_injection"), str(REPO)]),
+        "AUTOMODEL_TEST_FAULT": fault,
+        "AUTOMODEL_TEST_FAULT_RANK": str(rank),
+        "AUTOMODEL_TEST_FAULT_OUT": str(fault_time),
+    }
+    command = [sys.executable, "-m", "automodel.training.cli", "sft", "--config", str(config), *options]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=environment)
+    assert fault_time.exists(), result.stdout + result.stderr
+    return result, time.time() - float(fault_time.read_text())
+
+
+@pytest.mark.distributed
+def test_a_restart_is_reported_as_one_and_the_run_goes_on_on_the_terminal(tmp_path):
+    """``--max-restarts 1``: rank 1 is SIGKILLed when step 8 starts. The terminal says so in one line, then shows the
+    restarted processes resuming from the step-5 checkpoint, their steps and the closing lines; no failure summary.
+    The log file keeps everything, the first attempt's errors included."""
+    checkpoints = tmp_path / "ckpt"
+    extra = f"checkpoint: {{dir: {checkpoints}, every_steps: 5}}\n"
+    options = ("--nproc-per-node", "2", "--max-restarts", "1")
+    result, _ = _faulty_automodel(tmp_path, "kill:7", 1, extra, *options)
+    screen = result.stdout + result.stderr
+    assert result.returncode == 0, screen[-4000:]
+    restart = "automodel sft: rank 1 died (SIGKILL) after step 7; torchrun restarts the processes (restart 1 of 1)"
+    assert restart in result.stderr + result.stdout, screen[-4000:]
+    resumed = f"restart 1 of 1: resuming from {checkpoints / 'step_00000005'}"
+    assert resumed in screen, screen[-4000:]
+    assert re.search(r"^step 12 \| loss [\d.]+ ", screen, re.MULTILINE), screen[-4000:]
+    assert re.search(r"automodel sft: 12 steps, final loss [\d.]+", result.stdout), result.stdout[-3000:]
+    for failure_sign in ("failed:", "Traceback", "ChildFailedError", "full log", "@@automodel"):
+        assert failure_sign not in screen, (failure_sign, screen[-4000:])
+    (log,) = (tmp_path / "logs").glob("sft-*.log")
+    text = log.read_text()
+    assert restart in text and resumed in text and "final loss" in text, text[-3000:]
+    assert "Traceback" in text, "the first attempt's errors are in the log file"
+    assert text.index(restart) < text.index(resumed) and "@@automodel" not in text
+    assert not list((tmp_path / "logs").glob("*.failures")), "the report folder is removed"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("ranks", "layout", "failing_rank", "stage", "module"),
+    [
+        pytest.param(2, "pp_size: 2", 1, 1, "model.layers.1.mlp", id="pp2-last_stage"),
+        pytest.param(
+            4, "pp_size: 2, tp_size: 2", 0, 0, "model.layers.0.mlp", id="pp2_x_tp2-first_stage", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_an_error_in_one_pipeline_stage_ends_the_run_on_every_rank_with_the_summary(
+    tmp_path, ranks, layout, failing_rank, stage, module
+):
+    """One rank's first MLP raises in its forward at step 3: it raises a StageFailure naming its stage, its rank and
+    the module; its process ends, which ends every pending receive of the other stages' ranks at once, and torchrun
+    ends the rest. The command ends within 30 s of the error with the one-screen summary, which names it first."""
+    extra = f"layout: {{{layout}}}\n"
+    result, seconds = _faulty_automodel(tmp_path, "raise-in-mlp:2", failing_rank, extra, "--nproc-per-node", str(ranks))
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert seconds < 30, seconds
+    first = result.stderr.splitlines()[0] if result.stderr else ""
+    expected = (
+        f"automodel sft: rank {failing_rank} failed: StageFailure: pipeline stage {stage} of 2 (rank {failing_rank}) "
+        f"failed in {module} (LlamaMLP): ValueError: an MLP that cannot run"
+    )
+    assert expected in result.stderr, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr and len((result.stdout + result.stderr).splitlines()) <= 40, first
+    print(f"every rank ended {seconds:.1f} s after the error")

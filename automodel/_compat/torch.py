@@ -41,6 +41,7 @@ __all__ = [
     "full_tensor",
     "is_to_local_view",
     "mutated_tensors",
+    "on_worker_failure",
     "pipeline_stage",
     "replicate",
     "set_last_lr",
@@ -314,3 +315,26 @@ def set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list[float
     on a new schedule); torch has no public setter (``LRScheduler._last_lr``). Known: 2.11.0 - 2.14.1 (the releases
     checked)."""
     scheduler._last_lr = lrs
+
+
+# torchrun's record of a failed worker: when it finds a worker process ended with a non-zero status, its
+# ``SubprocessContext`` logs ``"failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"`` at ERROR on this
+# logger, with the exit status (minus the signal number for a signal), the local rank and the process id as the
+# record's first three arguments; it is the only place torchrun says how a worker ended before it restarts the
+# group. Known: 2.11.0 - 2.14.1 (the releases checked).
+_WORKER_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_WORKER_FAILURE_MESSAGE = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+
+
+def on_worker_failure(callback: Callable[[int, int, int], None]) -> None:
+    """Call ``callback(exitcode, local_rank, pid)`` in this torchrun process each time it finds a failed worker (the
+    first of a group's failures: the one that made it stop the others). A record of another form is ignored."""
+    import logging
+
+    class _WorkerFailures(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg == _WORKER_FAILURE_MESSAGE and isinstance(record.args, tuple) and len(record.args) >= 3:
+                exitcode, local_rank, pid = record.args[:3]
+                callback(int(exitcode), int(local_rank), int(pid))
+
+    logging.getLogger(_WORKER_FAILURE_LOGGER).addHandler(_WorkerFailures(logging.ERROR))

@@ -178,7 +178,7 @@ def _launch(args: argparse.Namespace, config) -> int:
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "automodel.training.launch",  # torchrun, telling the log of each failed worker (a restart or the end)
         *torchrun_options,
         *_rendezvous_options(args),
         f"--nproc-per-node={args.nproc_per_node or 1}",
@@ -190,7 +190,12 @@ def _launch(args: argparse.Namespace, config) -> int:
         args.config,
         *args.overrides,
     ]
-    log = RunLog(Path(config.log.dir).absolute(), config.recipe)
+    log = RunLog(
+        Path(config.log.dir).absolute(),
+        config.recipe,
+        max_restarts=args.max_restarts,
+        single_node=args.nnodes == 1,
+    )
     process = subprocess.Popen(  # no threads yet
         command,
         preexec_fn=preexec,

@@ -46,6 +46,7 @@ from .packing import check_packed_attention
 from .preemption import PreemptionHandler
 from .prepared import PreparedCorpus, PreparedExamples, is_prepared
 from .prepared_reading import read_prepared, suggest_prepare_data
+from .run_log import record_progress
 from .tiny_model import write_tiny_model
 from .trackers import Trackers
 from .vlm import IMAGE_TEXT_TO_TEXT, model_kind, resolve_image_paths, tokenize_vlm_sft
@@ -406,6 +407,8 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
                 bubble,
             )
             watchdog.beat(step + 1)
+            if is_main:
+                record_progress(step + 1)  # for the command's line on a restart
             if checkpointer is not None and (_should_save(config, step + 1, last) or stop):
                 state = TrainerState(
                     step + 1,

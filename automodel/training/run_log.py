@@ -8,7 +8,15 @@ A training process that raises (under the command: ``AUTOMODEL_FAILURE_DIR`` is 
 (:func:`report_failure`: its rank, the exception and the innermost frames of the project's or the user's code) and then
 prints its traceback as usual. From the first report on, the output goes to the log file only: the failing ranks'
 tracebacks, the other ranks' errors that follow from it, torchrun's ``ChildFailedError`` block. When torchrun has
-ended, :meth:`RunLog.failure_summary` says on one screen which ranks failed and how, and where the log file is.
+ended, :meth:`RunLog.finish` says on one screen which ranks failed and how, and where the log file is.
+
+A restart (``--max-restarts``) is not a failure of the run. torchrun runs under :mod:`automodel.training.launch`,
+which, each time torchrun finds a failed worker (after it has stopped the group's other workers, before it starts
+them again or ends), writes one marker line (:func:`worker_failure_line`) to its stdout and stderr: in each stream it
+comes after every line of the stopped workers and before any line of the restarted ones. The pumps take the marker out
+of the output; for a failure torchrun restarts after, the terminal gets one line (``rank 1 died (SIGKILL) after step
+20; torchrun restarts the processes (restart 1 of 1)``) and the output goes to it again. Reports are kept per attempt
+(``TORCHELASTIC_RESTART_COUNT``): the summary is of the attempt that ended the run, printed only when it failed.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import sysconfig
@@ -28,10 +37,13 @@ from typing import IO, Any
 
 from automodel.distributed.runtime import PROGRESS_BARS_VARIABLE
 
-__all__ = ["FAILURE_DIR_VARIABLE", "RunLog", "report_failure"]
+__all__ = ["FAILURE_DIR_VARIABLE", "RunLog", "record_progress", "report_failure", "worker_failure_line"]
 
 #: Where a training process writes its failure report (set by the command for the processes it starts).
 FAILURE_DIR_VARIABLE = "AUTOMODEL_FAILURE_DIR"
+#: The start of the line the launcher writes when torchrun finds a failed worker; a JSON object and a newline follow.
+_WORKER_FAILURE_MARKER = b"@@automodel-launch: worker failed "
+_PROGRESS_FILE = "progress"
 _FRAMES_SHOWN = 4
 _MESSAGE_LINES = 6
 _OTHER_FAILURES_SHOWN = 3
@@ -51,14 +63,37 @@ def report_failure(error: BaseException, rank: int) -> None:
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if _is_own_code(frame.filename)]
     report = {
         "rank": rank,
-        "time": time.time(),
+        "attempt": _attempt(),
+        "time": getattr(error, "failed_at", None) or time.time(),  # a pipeline stage's failure: when it began
         "type": type(error).__name__,
         "message": str(error),
         "frames": [[frame.filename, frame.lineno, frame.name, frame.line or ""] for frame in frames[-_FRAMES_SHOWN:]],
     }
-    path = Path(folder) / f"rank{rank}.json"
+    _write_whole(Path(folder) / f"attempt{_attempt()}-rank{rank}.json", json.dumps(report))
+
+
+def record_progress(step: int) -> None:
+    """Note the last step the run completed where the command reads it (rank 0, after each step; nothing without the
+    command): a restart's line says after which step a process died."""
+    folder = os.environ.get(FAILURE_DIR_VARIABLE)
+    if folder:
+        _write_whole(Path(folder) / _PROGRESS_FILE, str(step))
+
+
+def worker_failure_line(exitcode: int, local_rank: int) -> bytes:
+    """The marker line for a worker torchrun found failed: its exit status (minus the signal number for a signal)
+    and its local rank."""
+    return _WORKER_FAILURE_MARKER + json.dumps({"exitcode": exitcode, "local_rank": local_rank}).encode() + b"\n"
+
+
+def _attempt() -> int:
+    """Which attempt of the run this process belongs to: 0, then 1 after torchrun's first restart, and so on."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _write_whole(path: Path, text: str) -> None:
     partial = path.with_suffix(".part")
-    partial.write_text(json.dumps(report))
+    partial.write_text(text)
     os.replace(partial, path)  # whole or absent: the command may read it at any time
 
 
@@ -71,6 +106,17 @@ def _is_own_code(filename: str) -> bool:
 
 
 @dataclass
+class _Stream:
+    """What one pump carries between reads: the file's unfinished line, a tail held back as the possible start of a
+    marker, the worker failures it has brought, and the attempt its output belongs to."""
+
+    pending: bytes = b""
+    held: bytes = b""
+    worker_failures: int = 0
+    attempt: int = 0
+
+
+@dataclass
 class _Failure:
     ranks: list[int]
     time: float
@@ -80,18 +126,25 @@ class _Failure:
 
 
 class RunLog:
-    """The log file of one ``automodel`` launch and the pumps that copy torchrun's output into it."""
+    """The log file of one ``automodel`` launch and the pumps that copy torchrun's output into it.
 
-    def __init__(self, folder: Path, recipe: str) -> None:
+    ``max_restarts`` is torchrun's (a worker failure after which torchrun restarts the processes is announced, not
+    summarized); ``single_node``: the local ranks torchrun names are the global ranks."""
+
+    def __init__(self, folder: Path, recipe: str, *, max_restarts: int = 0, single_node: bool = True) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.path = _unused(folder / f"{recipe}-{stamp}-{socket.gethostname()}.log")
         self.failures = self.path.with_suffix(".failures")
         self.failures.mkdir()
+        self._recipe = recipe
+        self._max_restarts = max_restarts
+        self._single_node = single_node
         self._file = self.path.open("w", encoding="utf-8", errors="replace")
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._failed = False
+        self._failed_attempts: set[int] = set()
+        self._worker_failures: list[dict[str, int]] = []  # torchrun's, in order (each stream brings each once)
 
     def environment(self) -> dict[str, str]:
         """What the training processes need: where to report a failure, and unbuffered output (the step lines reach
@@ -110,19 +163,71 @@ class RunLog:
         self._threads.append(thread)
 
     def _pump(self, source: IO[bytes], terminal: IO[str]) -> None:
-        screen = getattr(terminal, "buffer", None)
-        pending = b""
+        stream = _Stream()
         while chunk := source.read(65536):
-            if not self.failed():
-                if screen is not None:
-                    screen.write(chunk)
-                else:
-                    terminal.write(chunk.decode(errors="replace"))
+            self._take(stream.held + chunk, stream, terminal)
+        self._show(stream.held, stream, terminal)
+        if stream.pending:
+            self._write([stream.pending])
+
+    def _take(self, data: bytes, stream: _Stream, terminal: IO[str]) -> None:
+        """Show ``data`` but for the launcher's marker lines, which are acted on; hold back a tail that may be the
+        start of one (a marker split between two reads)."""
+        while (start := data.find(_WORKER_FAILURE_MARKER)) >= 0 and (end := data.find(b"\n", start)) >= 0:
+            self._show(data[:start], stream, terminal)
+            self._on_worker_failure(json.loads(data[start + len(_WORKER_FAILURE_MARKER) : end]), stream, terminal)
+            data = data[end + 1 :]
+        stream.held = _marker_start(data)
+        self._show(data[: len(data) - len(stream.held)], stream, terminal)
+
+    def _show(self, data: bytes, stream: _Stream, terminal: IO[str]) -> None:
+        if not data:
+            return
+        if not self.failed(stream.attempt):
+            screen = getattr(terminal, "buffer", None)
+            if screen is not None:
+                screen.write(data)
+            else:
+                terminal.write(data.decode(errors="replace"))
+            terminal.flush()
+        *lines, stream.pending = (stream.pending + data).split(b"\n")
+        self._write(lines)
+
+    def _on_worker_failure(self, failure: dict[str, int], stream: _Stream, terminal: IO[str]) -> None:
+        """torchrun found worker ``failure`` failed and has stopped the others: announce the restart that follows
+        (once, whichever stream brings the marker first); this stream's output is of the next attempt from here on."""
+        stream.worker_failures += 1
+        number = stream.worker_failures
+        with self._lock:
+            first = number > len(self._worker_failures)
+            if first:
+                self._worker_failures.append(failure)
+        if number <= self._max_restarts:
+            stream.attempt = number
+            if first:
+                line = (
+                    f"automodel {self._recipe}: {self._describe(failure, attempt=number - 1)}; torchrun restarts the "
+                    f"processes (restart {number} of {self._max_restarts})"
+                )
+                terminal.write(line + "\n")
                 terminal.flush()
-            *lines, pending = (pending + chunk).split(b"\n")
-            self._write(lines)
-        if pending:
-            self._write([pending])
+                self._write([line.encode()])
+
+    def _describe(self, failure: dict[str, int], attempt: int) -> str:
+        """``rank 1 died (SIGKILL) after step 20``: who, how (its report's error, if it wrote one), when."""
+        local_rank, exitcode = failure["local_rank"], failure["exitcode"]
+        who = f"rank {local_rank}" if self._single_node else f"local rank {local_rank} on {socket.gethostname()}"
+        reports = self._reports(attempt)
+        report = next((report for report in reports if report["rank"] == local_rank), None)
+        if exitcode < 0:
+            how = f"died ({_signal_name(-exitcode)})"
+        elif report is not None and self._single_node:
+            how = f"failed ({report['type']}: {_shortened(report['message'], lines=1)})"
+        else:
+            how = f"failed (exit status {exitcode})"
+        progress = self.failures / _PROGRESS_FILE
+        when = f" after step {progress.read_text()}" if progress.exists() else " before its first step"
+        return f"{who} {how}{when}"
 
     def _write(self, lines: list[bytes]) -> None:
         # A progress bar redraws its line after "\r": the file keeps what the line ends as.
@@ -133,27 +238,32 @@ class RunLog:
             self._file.write(text)
             self._file.flush()
 
-    def failed(self) -> bool:
-        """Whether a training process has reported a failure (the folder is listed until one has)."""
-        self._failed = self._failed or any(self.failures.iterdir())
-        return self._failed
+    def failed(self, attempt: int = 0) -> bool:
+        """Whether a training process of ``attempt`` has reported a failure (the folder is listed until one has)."""
+        if attempt not in self._failed_attempts and any(self.failures.glob(f"attempt{attempt}-rank*.json")):
+            self._failed_attempts.add(attempt)
+        return attempt in self._failed_attempts
 
     def finish(self, status: int, recipe: str, *, signalled: bool = False) -> list[str]:
         """Wait for the pumps to drain; the lines to print now that torchrun ended with ``status`` (also written to
         the file): why the run failed, on one screen, and where the log is. Nothing to say for a run that succeeded
-        or was stopped by a signal it was sent (``signalled``) without a failure."""
+        (after restarts or not) or was stopped by a signal it was sent (``signalled``) without a failure."""
         for thread in self._threads:
             # The pipes close when torchrun's processes have all ended; a worker that outlives a killed torchrun
             # keeps its end open, and the command does not wait for it past this.
             thread.join(timeout=_DRAIN_SECONDS)
-        failures = self._read_failures()
+        last = min(len(self._worker_failures), self._max_restarts)  # the attempt that ended the run
+        failures = self._read_failures(last)
+        ended_by = self._worker_failures[last] if len(self._worker_failures) > last else None
         shutil.rmtree(self.failures, ignore_errors=True)
         if failures:
             lines = self._summary(failures, recipe)
         elif status != 0 and not signalled:
+            what = f"the training processes ended with status {status}"
+            if ended_by is not None:
+                what = self._describe(ended_by, last)
             lines = [
-                f"automodel {recipe}: the training processes ended with status {status} without a Python error "
-                "(killed by a signal, or out of memory?)",
+                f"automodel {recipe}: {what} without a Python error (killed by a signal, or out of memory?)",
                 f"automodel {recipe}: full log (every rank's output and torchrun's report): {self.path}",
             ]
         else:
@@ -181,11 +291,13 @@ class RunLog:
         lines.append(f"automodel {recipe}: full log (every rank's traceback and torchrun's output): {self.path}")
         return lines
 
-    def _read_failures(self) -> list[_Failure]:
-        """The reports, the same exception on several ranks as one failure, earliest first."""
+    def _reports(self, attempt: int) -> list[dict[str, Any]]:
+        return [json.loads(path.read_text()) for path in sorted(self.failures.glob(f"attempt{attempt}-rank*.json"))]
+
+    def _read_failures(self, attempt: int) -> list[_Failure]:
+        """The reports of ``attempt``, the same exception on several ranks as one failure, earliest first."""
         grouped: dict[tuple[str, str], _Failure] = {}
-        for path in sorted(self.failures.glob("rank*.json")):
-            report = json.loads(path.read_text())
+        for report in self._reports(attempt):
             key = (report["type"], report["message"])
             if key in grouped:
                 grouped[key].ranks.append(report["rank"])
@@ -197,6 +309,24 @@ class RunLog:
         for failure in grouped.values():
             failure.ranks.sort()
         return sorted(grouped.values(), key=lambda failure: (failure.time, failure.ranks))
+
+
+def _marker_start(data: bytes) -> bytes:
+    """The tail of ``data`` that is, or may become, a marker line: an unfinished one, or a start of the marker."""
+    start = data.find(_WORKER_FAILURE_MARKER)
+    if start >= 0:
+        return data[start:]
+    for size in range(min(len(_WORKER_FAILURE_MARKER) - 1, len(data)), 0, -1):
+        if data.endswith(_WORKER_FAILURE_MARKER[:size]):
+            return data[-size:]
+    return b""
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _unused(path: Path) -> Path:
