@@ -168,7 +168,7 @@ def test_empty_sources_are_refused(model, tmp_path, capsys):
     assert not (tmp_path / "b" / "manifest.json").exists() and not list((tmp_path / "b").glob("part-*"))
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{not json\n')
     assert _prepare(model, [tmp_path / "bad.jsonl"], tmp_path / "c") == 2
-    assert f"'{tmp_path / 'bad.jsonl'}' line 2 is not valid JSON" in capsys.readouterr().err
+    assert f"{tmp_path / 'bad.jsonl'}:2: not valid JSON (" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "index", "manifest"])

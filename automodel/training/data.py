@@ -9,10 +9,8 @@ Batching is ``automodel.training.batches``.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,8 @@ __all__ = [
     "tokenize_pretraining",
     "tokenize_sft",
 ]
+
+from .data_check import iter_jsonl, record_problem, sft_messages
 
 logger = logging.getLogger(__name__)
 
@@ -77,24 +77,31 @@ def is_hub_dataset_id(value: str | Path) -> bool:
 
 
 def load_records(
-    path: str | Path, *, cache_dir: str | Path | None = None, split: str = "train", name: str | None = None
+    path: str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    split: str = "train",
+    name: str | None = None,
+    kind: str | None = None,
 ) -> list[dict]:
     """Read the records at ``path``: a JSONL file, a folder of JSONL files (sorted by name), or anything
     ``datasets.load_dataset`` reads locally (json/csv/parquet/arrow files or folders) or ``load_from_disk`` reads
     (a saved dataset dir; its ``train`` split when it holds several), or a hub dataset id (``org/name``: its
     ``split``, of its configuration ``name``, through ``datasets`` and its cache, which is all it reads offline).
-    ``cache_dir`` is passed to ``datasets``."""
+    ``cache_dir`` is passed to ``datasets``. JSONL lines are checked as they are read (``data_check``: with
+    ``kind``, ``"sft"``, ``"vlm"`` or ``"pretrain"``, also as records of that kind), a mistake named at its
+    ``file:line``."""
     if is_hub_dataset_id(path):
         return _load_hub_dataset(str(path), split, name, cache_dir)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Data path {str(path)!r} does not exist; expected {ACCEPTED_FORMATS}")
     if path.is_file() and path.suffix == ".jsonl":
-        return _read_jsonl(path)
+        return [record for _, record in iter_jsonl(path, kind)]
     if path.is_dir():
         jsonl_files = sorted(path.glob("*.jsonl"))
         if jsonl_files:
-            return [record for file in jsonl_files for record in _read_jsonl(file)]
+            return [record for file in jsonl_files for _, record in iter_jsonl(file, kind)]
         if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
             return _load_saved_dataset(path)
         return _load_with_datasets(path, str(path), data_files=None, cache_dir=cache_dir)
@@ -119,15 +126,14 @@ def load_texts(
         txt_files = sorted(path.glob("*.txt"))
         if txt_files:
             return [file.read_text(encoding="utf-8") for file in txt_files]
-    return [_text_of(record, index, path) for index, record in enumerate(load_records(path, cache_dir=cache_dir))]
+    records = load_records(path, cache_dir=cache_dir, kind="pretrain")
+    return [_text_of(record, index, path) for index, record in enumerate(records)]
 
 
 def _text_of(record: dict, index: int, path: str | Path) -> str:
-    if not isinstance(record.get("text"), str):
-        raise ValueError(
-            f"Record {index} of {str(path)!r} has no string 'text' field (keys: {sorted(record)}); pretraining "
-            "records look like {'text': '...'}"
-        )
+    problem = record_problem(record, "pretrain")
+    if problem is not None:
+        raise ValueError(f"Record {index} of {str(path)!r}{problem}")
     return record["text"]
 
 
@@ -145,26 +151,6 @@ def _load_hub_dataset(dataset_id: str, split: str, name: str | None, cache_dir: 
             "local path."
         ) from None
     return dataset.to_list()
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [record for _, record in iter_jsonl(path)]
-
-
-def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """``(line number, record)`` for each non-blank line of a JSONL file; a line that is not a JSON object is an
-    error naming the file and the line."""
-    with path.open(encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{str(path)!r} line {line_number} is not valid JSON: {error}") from error
-            if not isinstance(record, dict):
-                raise ValueError(f"{str(path)!r} line {line_number} is a {type(record).__name__}, not a JSON object")
-            yield line_number, record
 
 
 def _import_datasets():
@@ -257,26 +243,11 @@ def _check_chat_tokenizer(tokenizer: Any) -> None:
 
 def _as_chat(record: dict, index: int) -> list[dict]:
     """The record's messages: its ``messages``, or its prompt/completion turned into user + assistant."""
-    if "messages" in record:
-        messages = record["messages"]
-    elif "prompt" in record and "completion" in record:
-        prompt, completion = record["prompt"], record["completion"]
-        if isinstance(prompt, list) and isinstance(completion, list):
-            messages = prompt + completion
-        else:
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-    else:
-        raise ValueError(
-            f"SFT record {index} has keys {sorted(record)}; expected a chat {{'messages': [{{'role', 'content'}}, "
-            "...]}} or a pair {'prompt', 'completion'}"
-        )
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"SFT record {index}: 'messages' must be a non-empty list of {{'role', 'content'}} dicts")
+    problem = record_problem(record, "sft")
+    if problem is not None:
+        raise ValueError(f"SFT record {index}{problem}")
+    messages = sft_messages(record)
     for turn, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
-            raise ValueError(
-                f"SFT record {index}, message {turn}: expected {{'role': str, 'content': str}}, got {message!r}"
-            )
         if _START in message["content"] or _END in message["content"]:
             raise ValueError(f"SFT record {index}, message {turn} contains the reserved characters U+E000/U+E001")
     return messages

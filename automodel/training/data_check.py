@@ -1,0 +1,242 @@
+"""Training records checked one by one, streamed: the check the ``automodel`` command runs on ``data.path`` before it
+starts any process, and the one the ranks run as they read the data (``data.load_records``).
+
+JSONL is read line by line and parquet / arrow batch by batch, so a file of any size is checked in bounded memory (a
+1 GB JSONL file in seconds). A mistake is reported at one position: ``chat.jsonl:41: not valid JSON (Expecting ','
+delimiter at column 197)``, ``chat.jsonl:7: record has keys ['text']; expected a chat {'messages': [...]} or a pair
+{'prompt', 'completion'}``, ``chat.parquet: row 12 (from 0): 'messages' is empty``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DataError", "check_data", "check_jsonl", "data_files", "iter_jsonl", "record_problem", "sft_messages"]
+
+_TABLES = (".parquet", ".arrow")
+_BLOCK_BYTES = 4 << 20  # JSONL is decoded this much at a time
+_PARALLEL_BYTES = 128 << 20  # and checked by one more process per this much
+_SCAN = json.JSONDecoder().scan_once  # the C scanner behind json.loads
+
+
+class DataError(ValueError):
+    """A data file the recipe cannot train on, at one position (``file:line`` or ``file: row N``)."""
+
+
+def record_problem(record: Any, kind: str) -> str | None:
+    """What makes ``record`` unusable as a record of ``kind`` (``"sft"``, ``"pretrain"``, or ``"vlm"``: an SFT chat of
+    a vision-language model, whose contents may be lists of text and image parts), or ``None``. The text follows the
+    word naming the record, with its own separator: ``f"SFT record 3{problem}"``, ``f"{file}:41: record{problem}"``."""
+    if not isinstance(record, dict):
+        return f" is a JSON {type(record).__name__}, not an object"
+    if kind == "pretrain":
+        if isinstance(record.get("text"), str):
+            return None
+        return f" has no string 'text' field (keys: {sorted(record)}); pretraining records look like {{'text': '...'}}"
+    if "messages" in record or ("prompt" in record and "completion" in record):
+        return _messages_problem(sft_messages(record), (str, list) if kind == "vlm" else str)
+    return (
+        f" has keys {sorted(record)}; expected a chat {{'messages': [{{'role', 'content'}}, ...]}} or a pair "
+        "{'prompt', 'completion'}"
+    )
+
+
+def sft_messages(record: dict) -> Any:
+    """An SFT record's messages: its ``messages``, or its prompt / completion pair as a user and an assistant turn (a
+    conversational pair, whose parts are message lists, joined)."""
+    if "messages" in record:
+        return record["messages"]
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return prompt + completion
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+
+
+def _messages_problem(messages: Any, content: type | tuple[type, ...]) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return ": 'messages' must be a non-empty list of {'role', 'content'} dicts"
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), content) or "role" not in message:
+            shown = repr(message) if len(repr(message)) <= 80 else repr(message)[:77] + "..."
+            expected = "str" if content is str else "str or a list of parts"
+            return f", message {turn}: expected {{'role': str, 'content': {expected}}}, got {shown}"
+    return None
+
+
+class _Mistake(Exception):
+    """A line's mistake inside this module: its line number (from 1, within the range read) and message."""
+
+    def __init__(self, number: int, message: str) -> None:
+        super().__init__(message)
+        self.number, self.message = number, message
+
+
+def iter_jsonl(path: str | Path, kind: str | None = None) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` for each non-blank line of a JSONL file, read in blocks of whole lines. A line that is
+    not UTF-8, not a JSON object, or (with ``kind``) not a record of that kind (:func:`record_problem`) raises
+    :class:`DataError` naming ``file:line``."""
+    path = Path(path)
+    try:
+        for number, line in _lines(path, 0, path.stat().st_size):
+            if line and not line.isspace():
+                yield number, _record(number, line, kind)
+    except _Mistake as mistake:
+        raise DataError(f"{path}:{mistake.number}: {mistake.message}") from None
+
+
+def check_jsonl(path: str | Path, kind: str, *, workers: int | None = None) -> int:
+    """Check every line of a JSONL file as :func:`iter_jsonl` does (keeping no record); the number of records. A
+    file of more than ``_PARALLEL_BYTES`` per worker is split at line starts into ranges checked by up to ``workers``
+    processes (default: the CPUs, at most 8); the first mistake in the file is reported at its line."""
+    path = Path(path)
+    size = path.stat().st_size
+    workers = max(1, min(workers or os.cpu_count() or 1, 8, size // _PARALLEL_BYTES))
+    bounds = [*_line_starts(path, [size * part // workers for part in range(workers)]), size]
+    jobs = [(path, start, stop, kind) for start, stop in pairwise(bounds)]
+    outcomes = [_check_range(*jobs[0])] if workers == 1 else _in_processes(jobs)
+    lines_before = records = 0
+    for lines, count, mistake in outcomes:
+        if mistake is not None:
+            raise DataError(f"{path}:{lines_before + mistake[0]}: {mistake[1]}")
+        lines_before, records = lines_before + lines, records + count
+    return records
+
+
+def _in_processes(jobs: list[tuple[Path, int, int, str]]) -> list[tuple[int, int, tuple[int, str] | None]]:
+    """:func:`_check_range` of each job in a fresh interpreter of its own, all at once. Not ``multiprocessing``: its
+    spawn and forkserver start methods run the caller's ``__main__`` again (a script, a notebook), and fork copies a
+    process that may run torch's threads."""
+    command = [sys.executable, "-c", "from automodel.training.data_check import _range_worker; _range_worker()"]
+    workers = [
+        subprocess.Popen([*command, str(path), str(start), str(stop), kind], stdout=subprocess.PIPE, text=True)
+        for path, start, stop, kind in jobs
+    ]
+    outcomes = []
+    for worker, job in zip(workers, jobs, strict=True):
+        output, _ = worker.communicate()
+        if worker.returncode:
+            raise DataError(f"{job[0]}: the process checking bytes {job[1]}-{job[2]} failed (exit {worker.returncode})")
+        lines, records, mistake = json.loads(output)
+        outcomes.append((lines, records, None if mistake is None else tuple(mistake)))
+    return outcomes
+
+
+def _range_worker() -> None:
+    """A checking process (:func:`_in_processes`): ``PATH START STOP RECIPE`` in, the JSON of its outcome out."""
+    path, start, stop, kind = sys.argv[1:]
+    print(json.dumps(_check_range(Path(path), int(start), int(stop), kind)))
+
+
+def _check_range(path: Path, start: int, stop: int, kind: str) -> tuple[int, int, tuple[int, str] | None]:
+    """(lines in the byte range, records in it, its first mistake as (line within the range, message) or None)."""
+    lines = records = 0
+    try:
+        for lines, line in _lines(path, start, stop):
+            if line and not line.isspace():
+                _record(lines, line, kind)
+                records += 1
+    except _Mistake as mistake:
+        return lines, records, (mistake.number, mistake.message)
+    return lines, records, None
+
+
+def _record(number: int, line: str, kind: str | None) -> Any:
+    """The record of one line, checked: a JSON object, and with ``kind`` one of that kind."""
+    record = _parsed(number, line)
+    problem = record_problem(record, kind or "sft") if kind or not isinstance(record, dict) else None
+    if problem is not None:
+        raise _Mistake(number, f"record{problem}")
+    return record
+
+
+def _parsed(number: int, line: str) -> Any:
+    """The JSON value of one line: the C scanner ``json.loads`` runs, called directly (a third less time per line),
+    else ``json.loads`` itself for a line the scanner does not take whole (whitespace before the value, or a mistake,
+    whose message it gives)."""
+    try:
+        value, end = _SCAN(line, 0)
+        if end == len(line) or line[end:].isspace():
+            return value
+    except (StopIteration, json.JSONDecodeError):
+        pass
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise _Mistake(number, f"not valid JSON ({error.msg} at column {error.colno})") from None
+
+
+def _lines(path: Path, start: int, stop: int) -> Iterator[tuple[int, str]]:
+    """``(line number from 1 within the range, text)`` of every line of the byte range ``[start, stop)`` (``start`` at
+    a line start), decoded a block of whole lines at a time; an undecodable byte is a mistake at its line."""
+    number = 0
+    with path.open("rb") as file:
+        file.seek(start)
+        left, tail = stop - start, b""
+        while left > 0 or tail:
+            chunk = file.read(min(_BLOCK_BYTES, left))
+            left = left - len(chunk) if chunk else 0  # a file that shrank meanwhile ends here
+            block = tail + chunk
+            cut = block.rfind(b"\n") + 1 if left > 0 else len(block)  # whole lines; the rest goes with the next block
+            block, tail = block[:cut], block[cut:]
+            try:
+                text = block.decode("utf-8")
+            except UnicodeDecodeError as error:
+                at = number + block.count(b"\n", 0, error.start) + 1
+                raise _Mistake(at, f"not UTF-8 text ({error.reason})") from None
+            pieces = text.split("\n")
+            if pieces[-1] == "":
+                pieces.pop()
+            for piece in pieces:
+                number += 1
+                yield number, piece
+
+
+def _line_starts(path: Path, offsets: list[int]) -> list[int]:
+    """Each offset moved forward to the start of the line after it (0 stays 0)."""
+    starts = []
+    with path.open("rb") as file:
+        for offset in offsets:
+            if offset:
+                file.seek(offset - 1)
+                file.readline()
+            starts.append(file.tell() if offset else 0)
+    return starts
+
+
+def data_files(path: str | Path) -> list[Path]:
+    """The files of ``path`` whose records :func:`check_data` checks: a JSONL, parquet or arrow file itself; in a
+    folder, its JSONL files (what the loader reads there), else every parquet / arrow file under it."""
+    path = Path(path)
+    if path.is_file():
+        return [path] if path.suffix in (".jsonl", *_TABLES) else []
+    if not path.is_dir():
+        return []
+    jsonl = sorted(path.glob("*.jsonl"))
+    return jsonl or sorted(file for file in path.rglob("*") if file.suffix in _TABLES and file.is_file())
+
+
+def check_data(path: str | Path, kind: str) -> int:
+    """Check every record of the JSONL, parquet and arrow files at ``path`` (:func:`data_files`) of ``kind``,
+    streamed; the number of records checked. Raises :class:`DataError` at the first mistake, or when the files hold
+    no record at all. Other formats (text, csv, hub datasets, prepared folders) are left to the loader."""
+    files = data_files(path)
+    count = 0
+    for file in files:
+        if file.suffix == ".jsonl":
+            count += check_jsonl(file, kind)
+        else:
+            from .data_tables import check_table
+
+            count += check_table(file, kind)
+    if files and not count:
+        raise DataError(
+            f"{path}: no records in {', '.join(str(file) for file in files)}: there is nothing to train on."
+        )
+    return count
