@@ -31,9 +31,29 @@ SOURCES = ("automodel", "model_sidecars", "pyproject.toml", "README.md")
 def test_init_config_writes_a_config_that_loads(tmp_path: Path, recipe: str) -> None:
     config_path = write_example_config(recipe, tmp_path / "here")
     config = load_config(config_path, recipe=recipe)
-    assert config.recipe == recipe and config.model.tiny_if_missing
+    assert config.recipe == recipe and not config.model.tiny_if_missing, "a mistyped path must not train a new model"
     assert Path(config.data.path).is_file() and Path(config.data.path).is_relative_to(tmp_path / "here")
     assert Path(config.model.path) == tmp_path / "here" / "tiny-llama"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in Path(config.model.path).iterdir()}
+
+
+def test_a_mistyped_model_path_in_an_init_config_config_is_refused_before_launch(tmp_path: Path) -> None:
+    """The example's model is written by init-config, and its config asks for nothing more: `./tiny-lama` (a typo) is
+    refused by the command with exit 2 naming the path, where tiny_if_missing used to train a new random model."""
+    command = [sys.executable, "-m", "automodel.training.cli"]
+    written = subprocess.run(
+        [*command, "init-config", "sft", "--output", str(tmp_path)], capture_output=True, text=True
+    )
+    assert written.returncode == 0 and "its tiny model" in written.stdout, written.stderr
+    config = tmp_path / "sft.yaml"
+    config.write_text(config.read_text().replace("path: ./tiny-llama", "path: ./tiny-lama"))
+    result = subprocess.run(
+        [*command, "sft", "--config", str(config), "--nproc-per-node", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"model.path={tmp_path / 'tiny-lama'}" in result.stderr and "neither a local directory" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "tiny-lama").exists() and not (tmp_path / "automodel_logs").exists(), "nothing started"
 
 
 def test_init_config_keeps_existing_files_unless_forced(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from automodel.distributed import MeshContext, ModelParallelizer
 from automodel.distributed.parallel_model import ParallelizedModel
-from tests.cases.export import save_pretrained_error, save_pretrained_parity
+from tests.cases.export import push_to_hub_offline, save_pretrained_error, save_pretrained_parity
 from tests.harness import RankPool
 from tests.tiny_models import build_model, save_tiny_checkpoint, tiny_config, token_batch
 
@@ -115,3 +115,21 @@ def test_push_to_hub_uploads_the_consolidated_checkpoint(one_rank, tmp_path, mon
     assert torch.allclose(upload["logits"], model(token_batch()).logits, atol=TOLERANCE)
     model.save_pretrained(tmp_path / "saved", push_to_hub=True, repo_id="org/tiny")
     assert len(uploads) == 2 and (tmp_path / "saved" / "model.safetensors").is_file()
+
+
+@pytest.mark.distributed
+def test_a_failed_upload_names_the_checkpoint_folder_on_every_rank_and_keeps_it(ranks2, checkpoints):
+    """The hub unreachable (its repo creation replaced by an offline machine's error): every rank raises, naming the
+    folder rank 0 wrote the checkpoint to (not a folder of its own that does not exist), which stays for `hf upload`."""
+    import shutil
+
+    results = ranks2.run(push_to_hub_offline, checkpoints["llama"])
+    folder = results[0]["folder"]
+    try:
+        assert results[0]["kept"], results[0]
+        for result in results:
+            assert result["message"].startswith(f"ConnectionError: Uploading {folder} to org/tiny"), result
+            assert f"upload it later with `hf upload org/tiny {folder}`" in result["message"], result
+            assert "Name or service not known" in result["message"], result
+    finally:
+        shutil.rmtree(Path(folder).parent, ignore_errors=True)

@@ -76,25 +76,30 @@ class ConsolidatedCheckpointWriter:
         tags: list[str] | None = None,
     ) -> str:
         """transformers' ``push_to_hub``, called on every rank: the consolidated checkpoint is written to a temporary
-        folder and uploaded from rank 0; every rank returns the commit URL."""
+        folder (rank 0's, named the same on every rank) and uploaded from rank 0; every rank returns the commit URL.
+        When the upload fails, every rank raises naming that folder, which is kept for a later ``hf upload``."""
         if tags:
             raise ValueError("push_to_hub(tags=...) is not supported: add the tags to the repo's model card.")
-        staging = Path(tempfile.mkdtemp(prefix="automodel-push-")) if is_rank_zero() else None
+        staging = _temporary_folder_of_rank_zero()
+        target = staging / "checkpoint"
+        uploaded = False
         try:
-            target = (staging or Path(tempfile.gettempdir())) / "checkpoint"
             write_checkpoint(model, target, place=replace_weights_in, max_shard_size=max_shard_size or "50GB")
-            return _upload_from_rank_zero(
+            url = _upload_from_rank_zero(
                 target,
                 repo_id,
                 token=token,
+                kept=True,
                 private=private,
                 commit_message=commit_message,
                 commit_description=commit_description,
                 revision=revision,
                 create_pr=create_pr,
             )
+            uploaded = True
+            return url
         finally:
-            if staging is not None:
+            if is_rank_zero() and (uploaded or not target.exists()):
                 shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -123,15 +128,29 @@ def _refuse_unsupported(
         )
 
 
-def _upload_from_rank_zero(directory: Path, repo_id: str, *, token: Any = None, **options: Any) -> str:
-    """Upload ``directory`` from rank 0, the error (if any) raised on every rank; every rank returns the URL."""
+def _temporary_folder_of_rank_zero() -> Path:
+    """Collective: a new temporary folder made by rank 0, its path on every rank."""
+    folder = Path(tempfile.mkdtemp(prefix="automodel-push-")) if is_rank_zero() else None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [folder]
+        dist.broadcast_object_list(shared, src=0)
+        folder = shared[0]
+    return folder
+
+
+def _upload_from_rank_zero(
+    directory: Path, repo_id: str, *, token: Any = None, kept: bool = False, **options: Any
+) -> str:
+    """Upload ``directory`` from rank 0, the error (if any) raised on every rank, naming ``directory`` (and, with
+    ``kept``, saying that it stays for a later upload); every rank returns the URL."""
     url, error = None, None
     if is_rank_zero():
         try:
             url = upload_folder(directory, repo_id, token=token, **{k: v for k, v in options.items() if v is not None})
         except Exception as exc:  # raised below on every rank
             error = exc
-    agree_or_raise(error, f"Uploading {directory} to {repo_id}")
+    later = f" (the checkpoint stays there: upload it later with `hf upload {repo_id} {directory}`)" if kept else ""
+    agree_or_raise(error, f"Uploading {directory} to {repo_id}{later}")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         shared = [url]
         dist.broadcast_object_list(shared, src=0)

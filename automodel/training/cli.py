@@ -26,14 +26,17 @@ import argparse
 import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
 import yaml
 
+from .commands import COMMANDS, overview, unknown_command
 from .config import RECIPES, ConfigError, check_world_size, load_config
 from .config_help import describe_keys
 
@@ -49,10 +52,9 @@ def _parser(recipe: str | None = None) -> argparse.ArgumentParser:
         prog=f"automodel {recipe}" if recipe else "automodel",
         description=__doc__.splitlines()[0],
         epilog=keys
-        + "\n\nRelative paths in the YAML file are relative to its folder (docs/recipes.md)."
-        + "\n`automodel init-config sft|pretrain [--output DIR]` writes a runnable example config and its data."
-        + "\n`automodel plan --model PATH --world-size N [layout.KEY=VALUE ...]` plans a layout before a job starts."
-        + "\n`automodel prepare-data --tokenizer T --input FILES --output DIR` tokenizes a corpus once (Data at scale).",
+        + "\n\nRelative paths in the YAML file, and the default log.dir, are relative to its folder; paths given as"
+        + " key=value on the command line are relative to the current directory (docs/recipes.md)."
+        + "\n`automodel --help` lists the commands and the exit statuses.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     if recipe is None:
@@ -97,8 +99,14 @@ def _parser(recipe: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``automodel`` console command; returns the exit status."""
+    """Entry point of the ``automodel`` console command; returns the exit status (``commands.EXIT_STATUSES``)."""
     argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        print(unknown_command(argv[0]), file=sys.stderr)
+        return 2
     if argv[:1] == ["init-config"]:
         from .init_config import main as init_config
 
@@ -169,6 +177,7 @@ def _devices_hint() -> str:
 
 def _launch(args: argparse.Namespace, config) -> int:
     """Start torchrun with this command on every process; pass preemption signals on; its exit status."""
+    from .hub_upload import UPLOAD_REQUEST_VARIABLE, finish_requested_upload
     from .preemption import forward_signals, launcher_settings
     from .run_log import RunLog
 
@@ -196,13 +205,14 @@ def _launch(args: argparse.Namespace, config) -> int:
         max_restarts=args.max_restarts,
         single_node=args.nnodes == 1,
     )
+    requests = Path(tempfile.mkdtemp(prefix="automodel-upload-"))  # rank 0 asks here for export.push_to_hub
     process = subprocess.Popen(  # no threads yet
         command,
         preexec_fn=preexec,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         bufsize=0,  # a read returns what the pipe holds, as it comes
-        env={**os.environ, **log.environment()},
+        env={**os.environ, **log.environment(), UPLOAD_REQUEST_VARIABLE: str(requests / "request.json")},
     )
     log.pump(process.stdout, sys.stdout)
     log.pump(process.stderr, sys.stderr)
@@ -210,8 +220,12 @@ def _launch(args: argparse.Namespace, config) -> int:
     status = process.wait()
     for line in log.finish(status, args.recipe, signalled=bool(received)):
         print(line, file=sys.stderr, flush=True)
+    uploaded = finish_requested_upload(requests / "request.json", args.recipe) if status == 0 else None
+    shutil.rmtree(requests, ignore_errors=True)
     if status == 0 and signal.SIGINT in received:
         return 128 + signal.SIGINT  # saved and stopped cleanly, but interrupted: the shell's status for Ctrl-C
+    if uploaded:
+        return uploaded  # trained and exported; the upload failed
     return 128 - status if status < 0 else status  # killed by a signal: the shell's 128 + signal number
 
 

@@ -8,7 +8,6 @@ are errors that name the key, raised before any process starts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import re
 import types
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from .config_errors import ConfigError, located, unknown_keys_error, yaml_key_lines
 
 __all__ = [
     "PATH_KEYS",
@@ -42,10 +43,6 @@ __all__ = [
 ]
 
 RECIPES = ("sft", "pretrain")
-
-
-class ConfigError(ValueError):
-    """A recipe config that cannot run: names the key and what to write instead."""
 
 
 @dataclass(frozen=True)
@@ -277,31 +274,40 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w-]*/[\w-]+")
 def load_config(path: str | Path | None, overrides: list[str] = (), *, recipe: str | None = None) -> RecipeConfig:
     """Read a YAML config, apply ``key=value`` overrides (dotted keys, values parsed as YAML) and validate it.
 
-    Relative paths written in the YAML file (``PATH_KEYS``, and ``model.path`` when it is not a hub id) are relative
-    to the file's folder, so a config runs from any directory; paths given as overrides are relative to the current
-    directory, as on any command line.
+    Relative paths written in the YAML file (``PATH_KEYS``, and ``model.path`` when it is not a hub id), and the
+    default ``log.dir``, are relative to the file's folder, so a config runs from any directory; paths given as
+    overrides are relative to the current directory, as on any command line. An error about a key written in the
+    file names the file and its line.
     """
     raw: dict[str, Any] = {}
+    lines: dict[str, int] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"Config file {path} does not exist.")
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text()
+        raw, lines = yaml.safe_load(text) or {}, yaml_key_lines(text)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, not {type(raw).__name__}.")
         _resolve_paths(raw, path.resolve().parent)
-    for key, value in parse_overrides(overrides).items():
+    given = parse_overrides(overrides)
+    for key, value in given.items():
         _set_dotted(raw, key, value)
     if recipe is not None:
         if raw.get("recipe", recipe) != recipe:
             raise ConfigError(f"The config says recipe: {raw['recipe']!r}, but the command is `automodel {recipe}`.")
         raw["recipe"] = recipe
-    config = _build(RecipeConfig, raw, "")
+    try:
+        config = _build(RecipeConfig, raw, "")
+    except ConfigError as error:
+        raise located(error, path, lines, given) from None
     _validate(config)
     return config
 
 
 def _resolve_paths(raw: dict[str, Any], folder: Path) -> None:
+    if isinstance(log := raw.setdefault("log", {}), dict):
+        log.setdefault("dir", LogSection.dir)  # a default path of the config is relative to its folder too
     data = raw.get("data")
     blend = data.get("blend") if isinstance(data, dict) else None
     for source in blend if isinstance(blend, list) else ():
@@ -428,28 +434,22 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     """Build dataclass ``cls`` from a mapping, checking every key and value type."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {raw!r}.")
+        raise ConfigError(f"{prefix or 'the config'} must be a mapping, got {raw!r}.", key=prefix.rstrip(".") or None)
     hints = typing.get_type_hints(cls)
     names = {_key(f): f.name for f in dataclasses.fields(cls)}
     fields = set(names)
-    unknown = sorted(set(raw) - fields)
-    if unknown:
-        names = ", ".join(f"{prefix}{key}" for key in unknown)
-        guesses = [
-            f"{prefix}{match[0]}" for key in unknown if (match := difflib.get_close_matches(str(key), fields, n=1))
-        ]
-        hint = f" Did you mean {' / '.join(guesses)}?" if guesses else ""
-        raise ConfigError(
-            f"Unknown config key(s) {names};{hint} {prefix.rstrip('.') or 'the top level'} accepts {sorted(fields)}."
-        )
+    if set(raw) - fields:
+        raise unknown_keys_error(set(raw) - fields, fields, prefix)
     values = {}
     for key, value in raw.items():
-        name = names[key]
-        hint = hints[name]
+        hint = hints[name := names[key]]
         if dataclasses.is_dataclass(hint):
             values[name] = _build(hint, value, f"{prefix}{key}.")
-        else:
+            continue
+        try:
             values[name] = _coerce(value, hint, f"{prefix}{key}")
+        except ConfigError as error:
+            raise ConfigError(str(error), key=error.key or f"{prefix}{key}") from None
     return cls(**values)
 
 

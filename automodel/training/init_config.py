@@ -1,7 +1,11 @@
-"""``automodel init-config sft|pretrain [--output DIR] [--force]``: write a runnable example config and its data set.
+"""``automodel init-config sft|pretrain [--output DIR] [--force]``: write a runnable example config, its data set and
+its tiny model.
 
 The examples ship inside the package (``automodel/training/examples``), so the command works from an installed wheel
-outside any checkout; each one trains a tiny random model written on first use, in seconds, on CPU ranks.
+outside any checkout; each one trains a tiny random Llama, written here next to the config, in seconds, on CPU ranks.
+The configs name that folder as ``model.path`` and nothing else: a mistyped path is refused before the run starts
+(``model.tiny_if_missing``, which writes a random model wherever the path points, is for the project's own smoke
+tests only).
 """
 
 from __future__ import annotations
@@ -13,16 +17,19 @@ from pathlib import Path
 
 from .config import RECIPES
 
-__all__ = ["EXAMPLE_DATA", "main", "write_example_config"]
+__all__ = ["EXAMPLE_DATA", "EXAMPLE_MODEL", "main", "write_example_config"]
 
 #: The data file each example config reads (``examples/data/<file>``).
 EXAMPLE_DATA = {"sft": "smol_chat.jsonl", "pretrain": "tiny_corpus.txt"}
+#: The folder of the tiny model the example configs name as ``model.path``.
+EXAMPLE_MODEL = "tiny-llama"
 
 
 def write_example_config(recipe: str, output: str | Path, *, force: bool = False) -> Path:
-    """Write ``<output>/<recipe>.yaml`` and ``<output>/data/<its data file>``; return the config's path.
+    """Write ``<output>/<recipe>.yaml``, ``<output>/data/<its data file>`` and the tiny random model it trains,
+    ``<output>/tiny-llama`` (its tokenizer's vocabulary: the words of both examples' data); return the config's path.
 
-    Existing files are kept (``FileExistsError`` naming them) unless ``force``.
+    Existing files are kept (``FileExistsError`` naming them) unless ``force``; an existing tiny model is kept.
     """
     if recipe not in RECIPES:
         raise ValueError(f"no example config for recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
@@ -38,6 +45,11 @@ def write_example_config(recipe: str, output: str | Path, *, force: bool = False
     for target, source in targets.items():
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(source.read_bytes())
+    if not (output / EXAMPLE_MODEL / "config.json").is_file():
+        from .tiny_model import write_tiny_model
+
+        with resources.as_file(examples / "data") as data:  # both examples' words: one model serves both
+            write_tiny_model(output / EXAMPLE_MODEL, data, seed=0)
     return output / f"{recipe}.yaml"
 
 
@@ -55,5 +67,8 @@ def main(argv: list[str]) -> int:
     except FileExistsError as error:
         print(f"automodel init-config: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {config} and its data; run it with:\n  automodel {args.recipe} --config {config} --nproc-per-node 2")
+    print(
+        f"wrote {config}, its data and its tiny model; run it with:\n"
+        f"  automodel {args.recipe} --config {config} --nproc-per-node 2"
+    )
     return 0

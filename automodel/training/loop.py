@@ -39,6 +39,7 @@ from .config import (
 )
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
+from .export_step import export_trained
 from .loss import FusedLinearCrossEntropy, LossFunction, ModelLoss, choose_loss
 from .metrics import flops_per_token, model_flops_utilization
 from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedule
@@ -161,8 +162,8 @@ def _tokenize_sft(path: str, tokenizer, seq_len: int, **hub: Any) -> list:
     """Chat records tokenized by a tokenizer's template, or (a processor) rendered with their images. ``hub``: the
     split and configuration name of a hub dataset id."""
     if hasattr(tokenizer, "image_processor"):
-        return tokenize_vlm_sft(resolve_image_paths(load_records(path, **hub), path), tokenizer, seq_len)
-    return tokenize_sft(load_records(path, **hub), tokenizer, seq_len)
+        return tokenize_vlm_sft(resolve_image_paths(load_records(path, kind="vlm", **hub), path), tokenizer, seq_len)
+    return tokenize_sft(load_records(path, kind="sft", **hub), tokenizer, seq_len)
 
 
 def _pad_id(tokenizer) -> int:
@@ -434,7 +435,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
         loader.close()
     result.model = model
     if config.export.dir is not None and last == train.max_steps and result.preempted is None:
-        result.export_dir = str(_export(config, model, tokenizer))
+        result.export_dir = str(export_trained(config, model, tokenizer))
     return result
 
 
@@ -608,62 +609,3 @@ def _validation_set(config: RecipeConfig, tokenizer) -> ValidationSet | None:
     else:
         examples = _tokenize_sft(data.validation_path, tokenizer, train.seq_len, split="validation", name=data.name)
     return ValidationSet(examples, micro_batch_size=train.micro_batch_size, seq_len=train.seq_len, pad_id=pad_id)
-
-
-def _export(config: RecipeConfig, model: nn.Module, tokenizer):
-    from automodel.loading.export import ModelCardInfo, save_hf_checkpoint
-
-    summary = {
-        "recipe": config.recipe,
-        "steps": config.train.max_steps,
-        "global_batch_size": config.train.global_batch_size,
-        "seq_len": config.train.seq_len,
-        "lr": config.train.lr,
-        "layout": {k: v for k, v in config.to_dict()["layout"].items() if v not in (1, False, None)},
-        "data": config.data.path,
-    }
-    if config.lora.rank:
-        from automodel.lora import merge_lora
-        from automodel.lora_checkpoint import save_lora_adapter
-
-        summary["lora"] = {"rank": config.lora.rank, "alpha": config.lora.alpha, "targets": config.lora.target_modules}
-        export = Path(config.export.dir)
-        if config.export.lora == "adapter":
-            return _publish(config, _export_adapter(model, export, tokenizer))
-        if config.export.lora == "both":  # the adapter first: merging folds it away
-            adapter = save_lora_adapter(model, export.parent / f".{export.name}.adapter")
-        model = merge_lora(model)  # the merged export is a plain checkpoint: adapters folded into the weights
-    info = ModelCardInfo(base_model=config.model.path, training_summary=summary, tags=(config.recipe,))
-    directory = save_hf_checkpoint(
-        model,
-        config.export.dir,
-        tokenizer=tokenizer,
-        max_shard_size=config.export.max_shard_size,
-        model_card=info,
-        model_id=config.export.push_to_hub,
-        overwrite=True,
-    )
-    if config.lora.rank and config.export.lora == "both":
-        if dist.get_rank() == 0:
-            os.replace(adapter, directory / "adapter")
-        dist.barrier()
-    return _publish(config, directory)
-
-
-def _export_adapter(model: nn.Module, directory: Path, tokenizer) -> Path:
-    """The adapter alone (as peft's save_pretrained writes it) and the tokenizer beside it, as peft users keep them."""
-    from automodel.lora_checkpoint import save_lora_adapter
-
-    directory = save_lora_adapter(model, directory)
-    if tokenizer is not None and dist.get_rank() == 0:
-        tokenizer.save_pretrained(directory)
-    dist.barrier()
-    return directory
-
-
-def _publish(config: RecipeConfig, directory: Path) -> Path:
-    if config.export.push_to_hub and dist.get_rank() == 0:
-        from automodel.loading.export import push_to_hub
-
-        push_to_hub(directory, config.export.push_to_hub)
-    return directory

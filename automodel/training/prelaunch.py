@@ -18,10 +18,11 @@ __all__ = ["check_before_launch"]
 
 
 def check_before_launch(config: RecipeConfig, world_size: int) -> list[str]:
-    """The data paths exist and are not empty, the model's config can be read (a local folder, or a hub id that is
-    cached or can be fetched), the layout fits the model on ``world_size`` processes (the real run's checks), and
-    every output folder is a folder that exists or can be created, and is writable. Returns the warnings: what the
-    run would do that its user most likely did not mean."""
+    """The data paths exist and are not empty, every record of the local JSONL / parquet / arrow data is one the recipe
+    reads (``data_check``), the model's config can be read (a local folder, or a hub id that is cached or can be
+    fetched), the layout fits the model on ``world_size`` processes (the real run's checks), every output folder is a
+    folder that exists or can be created, and is writable, and ``export.push_to_hub`` can upload (``hub_upload``).
+    Returns the warnings: what the run would do that its user most likely did not mean."""
     from .loop import prepare_model
 
     if config.data.path:
@@ -39,10 +40,21 @@ def check_before_launch(config: RecipeConfig, world_size: int) -> list[str]:
     for key, value in outputs.items():
         if value is not None:
             _check_writable_folder(key, Path(value))
+    if config.export.push_to_hub:
+        from .hub_upload import check_push_to_hub
+
+        check_push_to_hub(config.export.push_to_hub, config.export.dir)
+    tiny = config.model.tiny_if_missing and not (Path(config.model.path) / "config.json").is_file()
     prepare_model(config)  # the tiny smoke-test model, written where model.tiny_if_missing asks for it
-    _check_model(config)
+    model_directory = _check_model(config)
+    _check_records(config, model_directory)
     _check_prepared(config)
     warnings = _check_layout(config, world_size)
+    if tiny:
+        warnings.append(
+            f"model.tiny_if_missing: nothing was at model.path={config.model.path}, so a tiny RANDOM model was written "
+            "there (a smoke test). For a real run, fix model.path and drop model.tiny_if_missing."
+        )
     if config.checkpoint.dir is None and config.export.dir is None:
         warnings.append(
             "neither checkpoint.dir nor export.dir is set: the trained model will not be saved. Set export.dir=DIR "
@@ -128,9 +140,9 @@ def _check_hub_dataset(key: str, value: str) -> None:
         )
 
 
-def _check_model(config: RecipeConfig) -> None:
+def _check_model(config: RecipeConfig) -> Path:
     """The same resolution ``automodel plan`` uses: a local folder, or the hub id's metadata in (or fetched into) the
-    Hugging Face cache; then its ``config.json`` must parse."""
+    Hugging Face cache; then its ``config.json`` must parse. Returns the folder holding it."""
     from automodel.loading.hub import HubOptions, resolve_config_dir
 
     model = config.model
@@ -149,6 +161,29 @@ def _check_model(config: RecipeConfig) -> None:
         ) from None
     except (OSError, ValueError) as error:
         raise ConfigError(f"model.path={model.path}: {config_file} cannot be read as JSON: {error}") from None
+    return directory
+
+
+def _check_records(config: RecipeConfig, model_directory: Path) -> None:
+    """Every record of the local JSONL, parquet and arrow data parses and has what the recipe reads (the check the
+    ranks run as they read it: ``data_check``), streamed; a mistake is refused at its file and line (or row)."""
+    from .data_check import DataError, check_data
+    from .prepared import is_prepared
+    from .vlm import IMAGE_TEXT_TO_TEXT, model_kind
+
+    kind = config.recipe
+    trust = config.model.trust_remote_code
+    if (
+        kind == "sft"
+        and model_kind(str(model_directory), config.model.kind, trust_remote_code=trust) == IMAGE_TEXT_TO_TEXT
+    ):
+        kind = "vlm"  # chats whose contents may be lists of text and image parts
+    for key, value in (("data.path", config.data.path), ("data.validation_path", config.data.validation_path)):
+        if value and Path(value).exists() and not is_prepared(value):
+            try:
+                check_data(value, kind)
+            except DataError as error:
+                raise ConfigError(f"{key}: {error}") from None
 
 
 def _check_writable_folder(key: str, path: Path) -> None:

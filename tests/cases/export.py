@@ -140,6 +140,33 @@ def save_pretrained_error(checkpoint: str, **kwargs: Any) -> str:
     return "no error"
 
 
+def push_to_hub_offline(checkpoint: str) -> dict[str, Any]:
+    """``push_to_hub`` on every rank of a parallelized model where the hub cannot be reached (its repo creation
+    replaced by the connection error an offline machine gets): this rank's error, and the folder of rank 0's
+    checkpoint, which every rank's error must name and which is kept for a later upload."""
+    from huggingface_hub import HfApi
+
+    def unreachable(self, repo_id, **kwargs):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=MeshContext.build("fsdp2"))
+    original, HfApi.create_repo = HfApi.create_repo, unreachable
+    try:
+        model.push_to_hub("org/tiny")
+        message = "no error"
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+    finally:
+        HfApi.create_repo = original
+    folder = [None]
+    if dist.get_rank() == 0:
+        written = Path(tempfile.gettempdir()).glob("automodel-push-*/checkpoint")
+        folder = [max(written, key=lambda path: path.stat().st_mtime, default=None)]  # this call's: the newest
+    dist.broadcast_object_list(folder, src=0)
+    kept = folder[0] is not None and (folder[0] / "config.json").is_file()
+    return {"message": message, "folder": str(folder[0]), "kept": kept}
+
+
 def export_bytes(
     checkpoint: str,
     layout: dict[str, Any],
