@@ -16,19 +16,11 @@ cost per parameter grows with the shard group: ``docs/performance.md``).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
-import pickle
 import resource
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -40,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
-from automodel._compat.torch import FakeStore, fsdp_sizes
+from automodel._compat.torch import FakeStore
 from automodel.distributed import MeshContext
 from automodel.distributed.mesh import forget_meshes
 from automodel.distributed.parallelizer import parallelizer_for
@@ -49,7 +41,11 @@ from automodel.loading.placements import rank_classes
 from automodel.loading.quantized import pop_quantization_scheme
 from automodel.loading.sharded_loader import count_reads
 
-__all__ = ["Plan", "RankPlan", "layout_refusal", "plan"]
+from .planning_estimates import activation_estimate, fsdp_sizes_with_unmanaged
+from .planning_processes import SimulationError, simulate_elsewhere
+from .planning_table import describe_ranks, shown_layout
+
+__all__ = ["Plan", "RankPlan", "SimulationError", "layout_refusal", "plan"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 #: Optimizer state bytes per trainable local element: AdamW keeps two fp32 moments (``exp_avg``, ``exp_avg_sq``).
@@ -98,64 +94,18 @@ class Plan:
     #: Under PP: ``{"schedule", "stages", "ranks", "virtual_stages", "microbatches", "layers_per_stage", "bubble"}``
     #: (``bubble``: the ideal idle share of a step, ``(P - 1) / (V M + P - 1)``).
     pipeline: dict[str, Any] | None = None
+    #: ``{"micro_batch_size", "seq_len"}`` the activations were estimated for (``None``: they were not).
+    batch: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object ``automodel plan --json`` prints."""
         return {**asdict(self), "ranks": [rank.to_dict() for rank in self.ranks]}
 
     def table(self) -> str:
-        """A readable report: the verdict, the log lines, and one row per rank class."""
-        layout = ", ".join(f"{key}={value}" for key, value in self.layout.items())
-        head = [f"plan: {self.world_size} ranks ({layout}), model {_gib(self.total_param_bytes)} of parameters"]
-        if not self.ok:
-            return "\n".join([*head, f"refused: {self.error}"])
-        head += [f"  {line}" for line in self.log]
-        if self.pipeline is not None:
-            pipeline = self.pipeline
-            head.append(
-                f"  pipeline: {pipeline['schedule']}, {pipeline['stages']} stages over {pipeline['ranks']} pipeline "
-                f"ranks, {pipeline['microbatches']} microbatches per step, decoder layers per stage "
-                f"{pipeline['layers_per_stage']}; ideal bubble {pipeline['bubble']:.1%} of a step"
-            )
-        columns = (
-            "rank",
-            "params",
-            "padded",
-            "grads",
-            "optimizer",
-            "ckpt read",
-            "largest gather",
-            "activations",
-            "peak",
-            "stands for",
-        )
-        rows = [columns]
-        for rank in self.ranks:
-            rows.append(
-                (
-                    str(rank.rank),
-                    _gib(rank.param_bytes),
-                    _gib(rank.padded_param_bytes),
-                    _gib(rank.grad_bytes),
-                    _gib(rank.optimizer_bytes),
-                    "-" if rank.checkpoint_read_bytes is None else _gib(rank.checkpoint_read_bytes),
-                    _gib(rank.largest_gather_bytes),
-                    "-" if rank.activation_bytes_estimate is None else _gib(rank.activation_bytes_estimate),
-                    _gib(rank.peak_bytes_estimate),
-                    _describe_ranks(rank.stands_for),
-                )
-            )
-            if self.pipeline is not None:
-                rows[-1] = (
-                    *rows[-1][:-1],
-                    f"{rank.pipeline_stages} ({rank.pipeline_layers} layers, {rank.in_flight_microbatches:g} in flight)",
-                    rows[-1][-1],
-                )
-        if self.pipeline is not None:
-            rows[0] = (*columns[:-1], "stages", columns[-1])
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
-        return "\n".join([*head, "", *lines])
+        """A readable report: the verdict, the log lines, and one row per rank class (``planning_table``)."""
+        from .planning_table import plan_table
+
+        return plan_table(self)
 
 
 def plan(
@@ -188,8 +138,9 @@ def plan(
     request = _Request(
         str(model), world_size, dict(layout or {}), torch_dtype, micro_batch_size, seq_len, optimizer, trust_remote_code
     )
-    first = _simulate_elsewhere(request, ranks[0] if ranks else 0, classes=not ranks)
-    layout = _shown_layout(request.layout)
+    _Target.config_of(request.model, trust_remote_code)  # a model that cannot be resolved: its one line, here
+    first = simulate_elsewhere(request, ranks[0] if ranks else 0, classes=not ranks)
+    layout = shown_layout(request.layout)
     if first["error"] is not None:
         return Plan(world_size, False, first["error"], first["total_param_bytes"], layout=layout)
     if ranks:
@@ -203,7 +154,7 @@ def plan(
         chosen[first["rank"]] = chosen[world_size - 1]
     others = [rank for rank in chosen if rank != first["rank"]]
     with ThreadPoolExecutor(max_workers=max(1, min(len(others), os.cpu_count() or 1, 4))) as pool:
-        outcomes = [first, *pool.map(lambda rank: _simulate_elsewhere(request, rank, classes=False), others)]
+        outcomes = [first, *pool.map(lambda rank: simulate_elsewhere(request, rank, classes=False), others)]
     failed = next((outcome for outcome in outcomes if outcome["error"] is not None), None)
     if failed is not None:
         return Plan(world_size, False, failed["error"], first["total_param_bytes"], layout=layout)
@@ -212,8 +163,18 @@ def plan(
         key=lambda result: result.rank,
     )
     costs = [{key: outcome[key] for key in ("rank", "seconds", "peak_rss_bytes")} for outcome in outcomes]
+    batch = {"micro_batch_size": micro_batch_size, "seq_len": seq_len} if micro_batch_size and seq_len else None
     return Plan(
-        world_size, True, None, first["total_param_bytes"], results, first["log"], layout, costs, first["pipeline"]
+        world_size,
+        True,
+        None,
+        first["total_param_bytes"],
+        results,
+        first["log"],
+        layout,
+        costs,
+        first["pipeline"],
+        batch,
     )
 
 
@@ -235,7 +196,7 @@ def layout_refusal(
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES[str(dtype)]
     request = _Request(str(model), world_size, dict(layout or {}), torch_dtype, None, None, "adamw", trust_remote_code)
     if dist.is_available() and dist.is_initialized():
-        return _simulate_elsewhere(request, 0, classes=False)["error"]
+        return simulate_elsewhere(request, 0, classes=False)["error"]
     threads = torch.get_num_threads()
     try:
         return _simulate_here(request, 0, classes=False)["error"]
@@ -270,126 +231,13 @@ class _Request:
     trust_remote_code: bool
 
 
-def _simulate_elsewhere(request: _Request, rank: int, *, classes: bool) -> dict[str, Any]:
-    """One simulated rank in a fresh process (see :class:`_ForkServer`).
-
-    A fresh process per rank, because one process cannot be two ranks in a row: device meshes compare equal by
-    their layout alone, not by the rank that built them, so DTensor's sharding caches (in Python and C++) would hand
-    the second rank meshes of the first, with the first rank's coordinates.
-    """
-    global _SERVER
-    with _SERVER_LOCK:
-        if _SERVER is None or _SERVER.process.poll() is not None:
-            _SERVER = _ForkServer()
-        server = _SERVER
-    kind, value = server.run((request, rank, classes))
-    if kind != "ok":
-        raise RuntimeError(f"Simulating rank {rank} of {request.world_size} failed: {value}")
-    return value
-
-
-class _ForkServer:
-    """A helper process that imports the libraries once and forks one fresh child per simulated rank.
-
-    Why not ``multiprocessing``: its spawn and forkserver contexts run the caller's ``__main__`` again in every
-    child (a script without an ``if __name__ == "__main__"`` guard would plan recursively), and starting a fresh
-    interpreter per rank costs the 5-9 s of importing torch and transformers each time. The helper reads one job
-    per line (a request file and a result file) and answers with the child's pid; the child writes its result and
-    exits, and the helper never runs a process group itself.
-    """
-
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from automodel.planning import _serve; _serve()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        self.lock = threading.Lock()
-        atexit.register(self.close)
-
-    def run(self, job: tuple) -> tuple[str, Any]:
-        with tempfile.TemporaryDirectory() as folder:
-            job_file, result_file = Path(folder) / "job.pickle", Path(folder) / "result.pickle"
-            job_file.write_bytes(pickle.dumps(job))
-            with self.lock:
-                self.process.stdin.write(f"{job_file}\t{result_file}\n")
-                self.process.stdin.flush()
-                answer = self.process.stdout.readline()
-            if not answer.strip().isdigit():
-                return "error", f"the planning helper process ended (exit code {self.process.poll()})"
-            pid = int(answer)
-            while _alive(pid):
-                time.sleep(0.02)
-            if not result_file.is_file():
-                return "error", f"the simulating process {pid} died without a result (killed, or out of memory?)"
-            return pickle.loads(result_file.read_bytes())
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            self.process.wait(timeout=30)
-
-
-_SERVER: _ForkServer | None = None
-_SERVER_LOCK = threading.Lock()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _serve() -> None:
-    """The helper's loop (see :class:`_ForkServer`): fork one child per job line on stdin, print its pid."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
-    for line in sys.stdin:
-        job_file, result_file = line.rstrip("\n").split("\t")
-        pid = os.fork()
-        if pid == 0:
-            _run_child(Path(job_file), Path(result_file))
-        print(pid, flush=True)
-
-
-def _run_child(job_file: Path, result_file: Path) -> None:
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)  # the helper's stdout is its answer channel
-    try:
-        outcome = ("ok", _simulate_here(*pickle.loads(job_file.read_bytes())))
-    except BaseException:  # the parent raises it
-        outcome = ("error", traceback.format_exc())
-    partial = result_file.with_suffix(".part")
-    partial.write_bytes(pickle.dumps(outcome))
-    os.replace(partial, result_file)
-    os._exit(0)
-
-
-def _shown_layout(layout: dict[str, Any]) -> dict[str, Any]:
-    """The layout as reported: the strategy and the keys that differ from ``MeshContext.build``'s defaults."""
-    defaults = {"dp_replicate_size": 1, "tp_size": 1, "cp_size": 1, "ep_size": 1}
-    strategy = layout.get("strategy", "fsdp2")
-    shown: dict[str, Any] = {"strategy": getattr(strategy, "name", strategy)}
-    if getattr(strategy, "param_dtype", None) is not None:
-        shown["param_dtype"] = str(strategy.param_dtype).removeprefix("torch.")
-    for key, value in layout.items():
-        if key != "strategy" and value not in (defaults.get(key), False, None, "fp32"):
-            shown[key] = value if isinstance(value, (int, bool, str)) else str(value)
-    return shown
-
-
 def _standing_for(figures: RankPlan, members: list[int]) -> RankPlan:
-    described = members if len(members) <= 16 else f"{len(members)} ranks: {_ranges(members)}"
+    described = members if len(members) <= 16 else f"{len(members)} ranks: {describe_ranks(members)}"
     return replace(figures, stands_for=described)
 
 
 def _simulate_here(request: _Request, rank: int, classes: bool) -> dict[str, Any]:
-    """What a child process computes for one rank (see :func:`_simulate_elsewhere`)."""
+    """What a child process computes for one rank (``planning_processes.simulate_elsewhere``)."""
     torch.set_num_threads(1)
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("a simulated rank needs a process without a process group")
@@ -439,13 +287,22 @@ class _Target:
     quantized: bool
     total_bytes: int = 0
 
-    @classmethod
-    def resolve(cls, model: str | os.PathLike, trust_remote_code: bool, dtype: torch.dtype) -> _Target:
-        from automodel.auto_model import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText, load_config
+    @staticmethod
+    def config_of(model: str | os.PathLike, trust_remote_code: bool) -> tuple[PretrainedConfig, Path]:
+        """The model's config and the folder holding it (a hub id's metadata fetched or found in the cache); a model
+        that cannot be resolved raises the loader's one-line error (``FileNotFoundError``, ``OSError``,
+        ``ValueError``), as the recipes refuse it."""
+        from automodel.auto_model import load_config
         from automodel.loading.hub import HubOptions, resolve_config_dir
 
         directory = resolve_config_dir(model, HubOptions(trust_remote_code=trust_remote_code))
-        config = load_config(model, directory, trust_remote_code, {})
+        return load_config(model, directory, trust_remote_code, {}), directory
+
+    @classmethod
+    def resolve(cls, model: str | os.PathLike, trust_remote_code: bool, dtype: torch.dtype) -> _Target:
+        from automodel.auto_model import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
+
+        config, directory = cls.config_of(model, trust_remote_code)
         quantized = pop_quantization_scheme(config) is not None
         vision = getattr(config, "vision_config", None) is not None
         image_text = type(config) in NeMoAutoModelForImageTextToText._auto_mapping
@@ -539,8 +396,8 @@ class _Simulation:
         trainable = [(size, p) for size, p in local if p.requires_grad]
         grad_bytes = sum(size for size, _ in trainable)
         optimizer = sum(local_view(p).numel() for _, p in trainable) * _OPTIMIZER_STATE_BYTES[self.optimizer]
-        padded, largest_gather = _fsdp_sizes(model, params)
-        activations = _activation_estimate(
+        padded, largest_gather = fsdp_sizes_with_unmanaged(model, params)
+        activations = activation_estimate(
             context, self.target.config, self.micro_batch_size, self.seq_len, self.target.dtype, stages
         )
         # Two all-gather buffers: the unit running and the one prefetched.
@@ -630,88 +487,3 @@ def _captured_log() -> Iterator[list[str]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-
-
-def _fsdp_sizes(model: nn.Module, params: list[nn.Parameter]) -> tuple[int, int]:
-    """(bytes FSDP2 allocates for this rank's shards, padding included, plus the parameters it does not manage;
-    the largest unit's all-gather output in bytes)."""
-    padded, largest = fsdp_sizes(model)
-    unmanaged = sum(local_view(p).numel() * p.element_size() for p in params if id(p) not in padded)
-    return sum(padded.values()) + unmanaged, largest
-
-
-def _activation_estimate(
-    context: MeshContext,
-    config: PretrainedConfig,
-    micro_batch_size: int | None,
-    seq_len: int | None,
-    dtype: torch.dtype,
-    stages: _Stages | None = None,
-) -> int | None:
-    """Activation bytes kept for backward by one micro batch (``docs/plan.md``: the formula and what it leaves out);
-    under PP, by the microbatches in flight on this rank, over its stages' layers (the logits on the last stage's
-    rank: one microbatch's, or every microbatch's under GPipe, which runs all forwards first).
-
-    Per token of this rank's sequence (``seq_len / cp``) and per layer, in the compute dtype: about ``10 H`` for
-    attention (norm, q / k / v inputs and outputs, scores' output, output projection) and ``4 I`` for the MLP (gate,
-    up, activation, product), with ``I`` the active experts' width for a MoE; TP divides the ``I`` terms and, with
-    sequence parallelism, the ``H`` terms. Full activation checkpointing keeps each layer's input (``H``) plus one
-    layer's activations during its recomputation; selective keeps the matmul outputs (about half). The logits of the
-    micro batch are added in fp32 (``V / tp`` per token).
-    """
-    if micro_batch_size is None or seq_len is None:
-        return None
-    text = config.get_text_config()
-    hidden = text.hidden_size
-    layers = text.num_hidden_layers
-    width = _mlp_width(text)
-    tp, cp = context.tp_size, context.cp_size
-    compute = getattr(context.strategy, "param_dtype", None) or dtype  # FSDP2 mixed precision computes in param_dtype
-    element = torch.tensor([], dtype=compute).element_size()
-    tokens = micro_batch_size * -(-seq_len // cp)
-    hidden_terms = 10 * hidden / (tp if context.sequence_parallel else 1)
-    per_layer = tokens * element * (hidden_terms + 4 * width / tp)
-    mode = context.activation_checkpointing
-    in_flight, logits_kept = 1.0, 1
-    if stages is not None:
-        layout = context.pipeline
-        layers, in_flight = stages.local_layers(context), layout.in_flight()
-        logits_kept = 0
-        if layout.num_stages - 1 in layout.local_stages:
-            logits_kept = layout.microbatches if layout.schedule == "gpipe" else 1
-    if mode == "full":
-        kept = in_flight * layers * tokens * element * hidden + per_layer
-    elif mode == "selective":
-        kept = in_flight * layers * per_layer / 2
-    else:
-        kept = in_flight * layers * per_layer
-    logits = logits_kept * tokens * 4 * text.vocab_size / tp
-    return int(kept + logits)
-
-
-def _mlp_width(text: PretrainedConfig) -> int:
-    experts_per_token = getattr(text, "num_experts_per_tok", None)
-    moe_width = getattr(text, "moe_intermediate_size", None)
-    if experts_per_token and moe_width:
-        shared = getattr(text, "n_shared_experts", 0) or 0
-        return (experts_per_token + shared) * moe_width
-    return getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-
-
-def _ranges(members: list[int]) -> str:
-    runs, start = [], members[0]
-    for previous, current in zip(members, members[1:] + [None], strict=True):
-        if current != previous + 1 if current is not None else True:
-            runs.append(f"{start}" if start == previous else f"{start}-{previous}")
-            start = current
-    return ", ".join(runs[:8]) + (f" ... ({len(runs)} runs)" if len(runs) > 8 else "")
-
-
-def _describe_ranks(stands_for: list[int] | str) -> str:
-    return stands_for if isinstance(stands_for, str) else _ranges(stands_for)
-
-
-def _gib(value: int) -> str:
-    if value >= 2**30:
-        return f"{value / 2**30:.2f} GiB"
-    return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value / 2**10:.1f} KiB"

@@ -228,3 +228,49 @@ def test_a_pipeline_layout_the_run_refuses_is_refused_by_the_plan_with_its_messa
         layout={"strategy": "fsdp2", "pp_size": 4, "pp_virtual_stages": 2, "pp_schedule": "interleaved_1f1b"},
     )
     assert not planned.ok and "pipeline stages" in planned.error, planned.error
+
+
+def test_an_uncached_hub_id_offline_is_refused_in_one_line_with_the_fix(tmp_path):
+    """The README's own `automodel plan --model meta-llama/Llama-3.1-70B ...` without the model in the cache and
+    without the hub: exit 2, one line naming the model and `hf download` (not a fork server's nested traceback)."""
+    command = [sys.executable, "-m", "automodel.training.cli", "plan", "--model", "meta-llama/Llama-3.1-70B"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run(
+        [*command, "--nnodes", "128", "--nproc-per-node", "8", "layout.tp_size=8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) <= 10 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("automodel plan: --model meta-llama/Llama-3.1-70B: Model 'meta-llama/Llama-3.1-70B'")
+    assert "`hf download meta-llama/Llama-3.1-70B`" in lines[0], lines[0]
+
+
+def test_a_simulated_rank_that_fails_says_so_once(tmp_path, checkpoints):
+    """A config the model cannot be built from (a negative MLP width): the child's error comes back as one line with
+    its type, message and the project's frame that raised it; exit 2."""
+    config = json.loads((Path(checkpoints["llama_uneven"]) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": -1}))
+    done = _automodel("plan", "--model", str(tmp_path), "--world-size", "8")
+    assert done.returncode == 2 and done.stdout == "", done
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("automodel plan: simulating rank 0 of 8 failed: RuntimeError: Trying to create tensor"), line
+    assert "(at automodel/" in line and "Traceback" not in line, line
+
+
+def test_the_table_names_each_class_once_and_says_what_the_activations_are_for(checkpoints):
+    """Rank 0 and the last rank in one class: the last row says `as rank 0`. The command estimates activations for
+    the recipes' default batch and says so; a plan without a batch says that the peak leaves them out."""
+    replicated = ("--world-size", "2", "layout.dp_replicate_size=2")  # every rank holds the same
+    done = _automodel("plan", "--model", checkpoints["llama_4_layers"], *replicated)
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()[-2:]
+    assert rows[0].split()[0] == "0" and rows[0].endswith(" 0-1") and rows[1].endswith(" as rank 0"), rows
+    assert "activations: estimated for micro batches of 1 x 512 tokens" in done.stdout, done.stdout
+    assert all(row.split()[13] != "-" for row in rows), rows  # the activations column (a value and a unit per column)
+    quiet = plan(checkpoints["llama_4_layers"], world_size=2, layout={"dp_replicate_size": 2}).table()
+    assert "activations: not estimated (no micro batch size and sequence length given)" in quiet, quiet
+    assert "compile=auto" not in quiet.splitlines()[0], "defaults are not the layout's choices"

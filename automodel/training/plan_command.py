@@ -5,9 +5,11 @@
                    [layout.KEY=VALUE ...] [--json]
 
 ``--nnodes K --nproc-per-node G`` may stand for ``--world-size``. The layout keys are the recipes' ``layout``
-section. ``automodel sft|pretrain --config FILE --dry-run`` prints the same plan for a recipe. The exit status is 0
-when the layout fits, 1 when the real run would refuse it (the message is the one it would raise), 2 for bad
-arguments.
+section; the activations are estimated for the recipes' default batch (``train.micro_batch_size``, ``train.seq_len``)
+unless ``--micro-batch-size`` / ``--seq-len`` say otherwise. ``automodel sft|pretrain --config FILE --dry-run``
+prints the same plan for a recipe. The exit status is 0 when the layout fits, 1 when the real run would refuse it
+(the message is the one it would raise), 2 for bad arguments and for a model that cannot be resolved or simulated
+(one line: what failed, and the fix where there is one).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError, RecipeConfig, layout_from_overrides
+from .config import ConfigError, RecipeConfig, TrainSection, layout_from_overrides
 
 __all__ = ["main", "print_plan"]
 
@@ -33,8 +35,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc-per-node", type=int, help="ranks per node")
     parser.add_argument("--rank", type=int, action="append", dest="ranks", help="a rank to simulate (repeatable)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="the load dtype (default bf16)")
-    parser.add_argument("--micro-batch-size", type=int, help="sequences per rank per step (activation estimate)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (activation estimate)")
+    batch = TrainSection()
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=batch.micro_batch_size,
+        help=f"sequences per rank per forward, for the activation estimate (default {batch.micro_batch_size}, the "
+        "recipes' train.micro_batch_size)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=batch.seq_len,
+        help=f"tokens per sequence, for the activation estimate (default {batch.seq_len}, the recipes' train.seq_len)",
+    )
     parser.add_argument(
         "--pp-microbatches", type=int, help="with layout.pp_size > 1: microbatches per step (default pp_size)"
     )
@@ -93,11 +107,14 @@ def main(argv: list[str]) -> int:
 def print_plan(model: str, world_size: int, layout: dict, *, as_json: bool = False, **options) -> int:
     """Plan ``model`` on ``world_size`` ranks with ``layout`` (``MeshContext.build`` keywords), print it; 0 when the
     layout fits, 1 when it is refused."""
-    from automodel.planning import plan
+    from automodel.planning import SimulationError, plan
 
     try:
         result = plan(model, world_size=world_size, layout=layout, **options)
-    except (ValueError, FileNotFoundError, OSError) as error:
+    except (ValueError, OSError) as error:  # the model cannot be resolved or read: the loader's one line
+        print(f"automodel plan: --model {model}: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    except SimulationError as error:
         print(f"automodel plan: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=1) if as_json else result.table())
