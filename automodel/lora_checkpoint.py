@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import is_rank_zero
 from automodel.loading.agreement import agree_or_raise
 from automodel.loading.checkpoint_files import CheckpointFiles, open_safetensors_file
@@ -81,8 +82,9 @@ def save_lora_adapter(model: nn.Module, directory: str | os.PathLike, *, adapter
     whose files then replace those in ``directory`` (other files stay). Every error is raised on every rank."""
     target = Path(directory).absolute()
     inner, names, error = None, [], None
+    pipelined = isinstance(model, PipelinedModel)
     try:
-        inner = transformers_model(model)
+        inner = model.whole_on_meta if pipelined else transformers_model(model)  # the names, config and class
         config = getattr(inner, "peft_config", {}).get(adapter_name)
         names = adapter_parameter_names(inner, adapter_name)
         if config is None or not names:
@@ -94,19 +96,25 @@ def save_lora_adapter(model: nn.Module, directory: str | os.PathLike, *, adapter
         error = exc
     agree_or_raise(error, f"Saving the LoRA adapter to {target}")
     wanted = set(names)
-    parameters = {name: param.detach() for name, param in inner.named_parameters() if name in wanted}
+    shapes = {name: param for name, param in inner.named_parameters() if name in wanted}  # on meta under PP
+    # This rank's factors (under PP, its stages'), written where they are; the others come from their holders.
+    parameters = {name: param.detach() for name, param in model.named_parameters() if name in wanted}
+    gather = model.gatherer() if pipelined else None  # a pipelined model's tensors reach rank 0 from their stage
     stored = {peft_key(name, adapter_name): name for name in names}
     spec = WeightFiles(
         files={ADAPTER_WEIGHTS: list(stored)},
         stored={
-            key: torch.empty(parameters[name].shape, dtype=parameters[name].dtype, device="meta")
+            key: torch.empty(shapes[name].shape, dtype=shapes[name].dtype, device="meta")
             for key, name in stored.items()
         },
         source_of=stored,
         direct=set(stored),  # the factors are stored as they are, under peft's names
         local=parameters,
-        gather=lambda name, owner: gathered_to(parameters[name], owner),
+        gather=(lambda name, owner: gather(name))
+        if pipelined
+        else lambda name, owner: gathered_to(parameters[name], owner),
         convert=lambda name, full: {peft_key(name, adapter_name): full},
+        gathers_to_rank_zero=pipelined,
     )
     staging = make_staging_dir(target, ".adapter-tmp")
     try:

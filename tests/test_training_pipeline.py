@@ -96,6 +96,22 @@ def test_packing_the_fused_loss_and_validation_under_pp2(ranks2, chat_checkpoint
     assert any("pipeline: 1f1b over 2 stages" in line and "2 microbatches" in line for line in pipelined["log"])
 
 
+def test_lora_under_pp2_trains_as_without_pp_and_exports_the_same_adapter(ranks2, chat_checkpoint, tmp_path):
+    """lora.rank with layout.pp_size=2: the losses of the run without PP, and export.lora=adapter writes peft's files
+    with the adapter that run writes (each stage's factors reach rank 0 from their stage)."""
+    from safetensors.torch import load_file
+
+    config = _config(tmp_path, chat_checkpoint)
+    lora = ["lora.rank=8", "lora.target_modules=[q_proj, v_proj]", "export.lora=adapter", "train.max_steps=4"]
+    plain = ranks2.run(train, config, [*lora, f"export.dir={tmp_path / 'plain'}"])[0]
+    pipelined = ranks2.run(train, config, [*lora, "layout.pp_size=2", f"export.dir={tmp_path / 'pp'}"])[0]
+    assert _close(pipelined["losses"], plain["losses"]) < LAYOUT_TOLERANCE, (pipelined["losses"], plain["losses"])
+    ours, theirs = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("pp", "plain"))
+    assert sorted(ours) == sorted(theirs) and len(ours) == 8, sorted(ours)
+    assert max((ours[key] - theirs[key]).abs().max().item() for key in ours) < LAYOUT_TOLERANCE
+    assert (tmp_path / "pp" / "adapter_config.json").is_file()
+
+
 def test_pretraining_under_pp2_matches_it_without_pp(ranks2, chat_checkpoint, tmp_path):
     config = _config(tmp_path, chat_checkpoint, recipe="pretrain")
     corpus = f"data.path={REPO / 'recipes' / 'data' / 'tiny_corpus.txt'}"
@@ -126,7 +142,7 @@ def test_pipeline_layouts_that_cannot_run_are_refused_before_launch(tmp_path, ov
     ("overrides", "message"),
     [
         (["train.pp_microbatches=4"], "applies to pipeline parallelism"),
-        (["layout.pp_size=2", "lora.rank=4"], "do not train LoRA under pipeline parallelism yet"),
+        (["layout.pp_size=2", "lora.rank=4", "export.dir=out"], "under pipeline parallelism the adapter is exported"),
     ],
 )
 def test_pipeline_keys_that_cannot_apply_are_refused_when_the_config_is_read(tmp_path, overrides, message):

@@ -3,13 +3,18 @@ reshardable (saved with one layout, resumed with another, pipeline-parallel or n
 
 Layout of ``checkpoint.dir``::
 
-    step_00000010/            a complete checkpoint: DCP files (model + optimizer) and trainer_state.pt
+    step_00000010/            a complete checkpoint: DCP files (the trainable parameters and their optimizer
+                              state) and trainer_state.pt
     step_00000020.partial/    being written (or left by a crash): never read, removed by the next save
     LATEST                    the name of the newest complete checkpoint (for scripts; resume also finds it without)
 
 A checkpoint becomes visible only when rank 0 renames the finished ``.partial`` folder, after every rank wrote its
 part, and then points ``LATEST`` at it (written to a temporary file and renamed over the old one), so a crash or a
 kill mid-save leaves the previous checkpoint as the newest complete one.
+
+Frozen parameters (a LoRA run's whole base model) are not saved: they are read again from the model's source on
+resume, whose identity the trainer state records (``resume.py``), so a LoRA checkpoint is the adapter, its optimizer
+state, the data position and the RNG.
 """
 
 from __future__ import annotations
@@ -37,7 +42,15 @@ from torch.distributed.checkpoint.state_dict import (
 from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import log_rank_zero
 
-__all__ = ["LATEST", "Checkpointer", "TrainerState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "LATEST",
+    "Checkpointer",
+    "TrainerState",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "read_trainer_state",
+    "save_checkpoint",
+]
 
 _COMPLETE = re.compile(r"step_(\d{8})")
 _TRAINER_STATE = "trainer_state.pt"
@@ -55,6 +68,7 @@ class TrainerState:
     rng: torch.Tensor
     losses: list[float]
     layout: dict[str, Any] | None = None  # the layout section and world size it was saved with (for the resume log)
+    base: dict[str, Any] | None = None  # the identity of the base model the frozen parameters are read from
 
 
 def latest_checkpoint(directory: str | Path | None) -> Path | None:
@@ -182,12 +196,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     # Checkpoints written before the optimizer state was saved flat keep its nested form.
     flat = not any(key.startswith(_NESTED_GROUPS) for key in saved)
-    options = _FLAT_OPTIMIZER if flat else StateDictOptions()
+    options = _FLAT_OPTIMIZER if flat else StateDictOptions(ignore_frozen_params=True)
     model_state, optimizer_state = get_state_dict(module, optimizer, options=options)
     never_saved = _state_never_saved(optimizer_state, saved, flat=flat)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(module, state["model"])
+    frozen = any(not param.requires_grad for param in module.parameters())  # not in the state: left as loaded
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=not frozen))
     # torch rebuilds a flat optimizer state from the live optimizer's keys, so the state left out of the load goes
     # back in as the fresh placeholders and is dropped once loaded; a nested one loads without it.
     optimizer_state.update(never_saved.placeholders)
@@ -200,8 +215,12 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     for name, parameter in module.named_parameters():
         if name in never_saved.names:
             optimizer.state.pop(parameter, None)
-    saved = torch.load(path / _TRAINER_STATE, weights_only=True)
-    return TrainerState(**saved)
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str | Path) -> TrainerState:
+    """The trainer state of the checkpoint at ``path`` (read alone, before anything is loaded)."""
+    return TrainerState(**torch.load(Path(path) / _TRAINER_STATE, weights_only=True))
 
 
 def _state_module(model: nn.Module) -> nn.Module:
@@ -212,8 +231,8 @@ def _state_module(model: nn.Module) -> nn.Module:
 
 # The optimizer state is saved flat (``state.<name>.exp_avg``, ``param_groups.<name>.lr``: keyed by parameter name,
 # not by a group's index), as ranks holding different parameters need: pipeline stages' param groups would otherwise
-# be saved under the same ``param_groups.0`` key with different contents.
-_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+# be saved under the same ``param_groups.0`` key with different contents. Frozen parameters are left out.
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
 _OPTIMIZER_STATE = "optimizer.state."
 _NESTED_GROUPS = "optimizer.param_groups.0."
 

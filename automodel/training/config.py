@@ -554,12 +554,6 @@ def _validate(config: RecipeConfig) -> None:
         raise ConfigError(f"train.pp_microbatches={train.pp_microbatches} must be at least 1 (or null).")
     if train.pp_microbatches is not None and config.layout.pp_size == 1:
         raise ConfigError("train.pp_microbatches is set but layout.pp_size is 1: it applies to pipeline parallelism.")
-    if config.layout.pp_size > 1 and config.lora.rank:
-        raise ConfigError(
-            "lora.rank > 0 with layout.pp_size > 1: the recipes do not train LoRA under pipeline parallelism yet (the "
-            "library does: NeMoAutoModelForCausalLM.from_pretrained(..., peft_config=...) with pp_size). Use "
-            "layout.pp_size=1."
-        )
     if train.grad_sync == "micro_batch" and (config.layout.strategy == "megatron_fsdp" or config.layout.pp_size > 1):
         raise ConfigError(
             "train.grad_sync=micro_batch runs with layout.strategy=fsdp2 or ddp and layout.pp_size=1: Megatron-FSDP "
@@ -625,5 +619,11 @@ def _validate_lora(config: RecipeConfig) -> None:
         raise ConfigError("lora.rank > 0 adapts a pretrained model: use it with `automodel sft`, not pretraining.")
     if layout.strategy == "megatron_fsdp":
         raise ConfigError("LoRA runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
+    if layout.pp_size > 1 and config.export.dir and config.export.lora != "adapter":
+        raise ConfigError(
+            f"export.lora={config.export.lora} with lora.rank > 0 and layout.pp_size > 1: under pipeline parallelism "
+            "the adapter is exported (export.lora=adapter); for the merged model, run again with layout.pp_size=1 "
+            "(it resumes the final checkpoint of checkpoint.dir and exports)."
+        )
     if importlib.util.find_spec("peft") is None:
         raise ConfigError('lora.rank > 0 needs the peft package: pip install "automodel[peft]".')

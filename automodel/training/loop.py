@@ -28,7 +28,7 @@ from automodel.distributed.runtime import log_rank_zero, progress_bars_disabled
 from automodel.loading.pipeline import transformers_model
 
 from .batches import DistributedBatchLoader, PrefetchingLoader, joined_batch
-from .checkpoint import Checkpointer, TrainerState, latest_checkpoint, load_checkpoint
+from .checkpoint import Checkpointer
 from .config import (
     RESHARD_POLICIES,
     ConfigError,
@@ -42,11 +42,12 @@ from .evaluation import ValidationSet
 from .export_step import export_trained
 from .loss import FusedLinearCrossEntropy, LossFunction, ModelLoss, choose_loss
 from .metrics import flops_per_token, model_flops_utilization
-from .optim import clip_grad_norm, make_optimizer, make_scheduler, resume_schedule
+from .optim import clip_grad_norm, make_optimizer, make_scheduler
 from .packing import check_packed_attention
 from .preemption import PreemptionHandler
 from .prepared import PreparedCorpus, PreparedExamples, is_prepared
 from .prepared_reading import read_prepared, suggest_prepare_data
+from .resume import frozen_base_identity, resume_if_saved, trainer_state
 from .run_log import record_progress
 from .tiny_model import write_tiny_model
 from .trackers import Trackers
@@ -331,24 +332,10 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     log_rank_zero(logger, "%s", loss_line)
     _log_grad_sync(config, loader.grad_accumulation_steps)
     result = TrainResult()
-    resume = latest_checkpoint(config.checkpoint.dir)
-    _log_restart(resume)
-    if resume is not None:
-        state = load_checkpoint(resume, model, optimizer)
-        lr = resume_schedule(optimizer, scheduler, train, state.step)
-        loader.load_state_dict(state.data)
-        torch.set_rng_state(state.rng)
-        result.losses, result.resumed_from = list(state.losses), state.step
-        log_rank_zero(
-            logger,
-            "resuming from %s at step %d (layout saved: %s, layout now: %s); learning rate %.3e from this config's "
-            "schedule",
-            resume,
-            state.step,
-            _describe_layout(state.layout),
-            _describe_layout(_layout_of(config)),
-            lr,
-        )
+    base = frozen_base_identity(config, model)  # read again from model.path on resume: its identity is checked
+    resumed = resume_if_saved(config, model, optimizer, scheduler, loader, base)
+    if resumed is not None:
+        result.losses, result.resumed_from = list(resumed.losses), resumed.step
     trackers = Trackers(config, rank=dist.get_rank())
     device = next(model.parameters()).device
     flops = flops_per_token(_whole_model(model), train.seq_len)
@@ -411,14 +398,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
             if is_main:
                 record_progress(step + 1)  # for the command's line on a restart
             if checkpointer is not None and (_should_save(config, step + 1, last) or stop):
-                state = TrainerState(
-                    step + 1,
-                    scheduler.state_dict(),
-                    loader.state_dict(),
-                    torch.get_rng_state(),
-                    result.losses,
-                    _layout_of(config),
-                )
+                state = trainer_state(config, step + 1, scheduler, loader, result.losses, base)
                 checkpointer.save(model, optimizer, state)  # in the background with checkpoint.async
             if validation is not None and (stop or _should_evaluate(train, step + 1, last)):
                 result.eval_losses[step + 1] = _evaluate(validation, model, context, step + 1, trackers)
@@ -437,15 +417,6 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
     if config.export.dir is not None and last == train.max_steps and result.preempted is None:
         result.export_dir = str(export_trained(config, model, tokenizer))
     return result
-
-
-def _log_restart(resume: Path | None) -> None:
-    """Under torchrun's restarts (``--max-restarts``), say which restart this is and where it resumes."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart > 0:
-        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
-        where = f"resuming from {resume}" if resume is not None else "no checkpoint to resume from, starting over"
-        log_rank_zero(logger, "restart %d of %s: %s", restart, limit, where)
 
 
 def _whole_model(model: nn.Module) -> nn.Module:
@@ -495,21 +466,6 @@ def _step_facts(
         return tokens, signal.Signals(round(signums / receivers)).name  # the signal the receiving ranks got
     except ValueError:  # different signals on different ranks
         return tokens, "a preemption signal"
-
-
-def _layout_of(config: RecipeConfig) -> dict:
-    """What the resume log compares: the layout section and the number of processes."""
-    return {**config.to_dict()["layout"], "world_size": dist.get_world_size()}
-
-
-def _describe_layout(layout: dict | None) -> str:
-    if layout is None:
-        return "not recorded"
-    defaults = {"pp_size": 1, "dp_replicate_size": 1, "tp_size": 1, "cp_size": 1, "ep_size": 1}
-    shown = [f"{layout.get('strategy')} on {layout.get('world_size')} processes"]
-    shown += [f"{key}={value}" for key, value in layout.items() if key in defaults and value != defaults[key]]
-    shown += [key for key in ("sequence_parallel",) if layout.get(key)]
-    return ", ".join(shown)
 
 
 def _log_grad_sync(config: RecipeConfig, accumulation_steps: int) -> None:

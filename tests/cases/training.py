@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 CHAT_DATA = REPO / "recipes" / "data" / "smol_chat.jsonl"
 
 
-def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama") -> Path:
-    """A tiny random model whose vocabulary covers the shipped chat set, with its tokenizer, saved for from_pretrained."""
+def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama", **overrides: Any) -> Path:
+    """A tiny random model whose vocabulary covers the shipped chat set, with its tokenizer, saved for from_pretrained
+    (``overrides``: config values, e.g. a wider model, and ``seed``)."""
     directory = Path(directory)
     texts = ["system user assistant"]
     for line in CHAT_DATA.read_text().splitlines():
@@ -38,8 +39,9 @@ def save_tiny_chat_checkpoint(directory: str | Path, architecture: str = "llama"
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         max_position_embeddings=128,
+        **{key: value for key, value in overrides.items() if key != "seed"},
     )
-    build_model(config).save_pretrained(directory)
+    build_model(config, seed=overrides.get("seed", 0)).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -276,3 +278,12 @@ def reloaded_export_logits(export_dir: str, layout: dict[str, Any]) -> float | N
     plain = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return (plain(input_ids=batch).logits.float() - logits).abs().max().item()
+
+
+def resume_error(config_path: str, overrides: list[str]) -> str:
+    """Run a recipe expected to refuse its resume; the error this rank raised (its class and message)."""
+    try:
+        run(load_config(config_path, overrides))
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
