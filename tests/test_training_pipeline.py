@@ -98,18 +98,22 @@ def test_packing_the_fused_loss_and_validation_under_pp2(ranks2, chat_checkpoint
 
 def test_lora_under_pp2_trains_as_without_pp_and_exports_the_same_adapter(ranks2, chat_checkpoint, tmp_path):
     """lora.rank with layout.pp_size=2: the losses of the run without PP, and export.lora=adapter writes peft's files
-    with the adapter that run writes (each stage's factors reach rank 0 from their stage)."""
+    with the adapter that run writes (each stage's factors reach rank 0 from their stage). The merged export, which
+    PP refuses, is what the same command without PP writes from the final checkpoint."""
     from safetensors.torch import load_file
 
     config = _config(tmp_path, chat_checkpoint)
     lora = ["lora.rank=8", "lora.target_modules=[q_proj, v_proj]", "export.lora=adapter", "train.max_steps=4"]
     plain = ranks2.run(train, config, [*lora, f"export.dir={tmp_path / 'plain'}"])[0]
-    pipelined = ranks2.run(train, config, [*lora, "layout.pp_size=2", f"export.dir={tmp_path / 'pp'}"])[0]
+    checkpoints = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    pipelined = ranks2.run(train, config, [*lora, "layout.pp_size=2", f"export.dir={tmp_path / 'pp'}", checkpoints])[0]
     assert _close(pipelined["losses"], plain["losses"]) < LAYOUT_TOLERANCE, (pipelined["losses"], plain["losses"])
     ours, theirs = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("pp", "plain"))
     assert sorted(ours) == sorted(theirs) and len(ours) == 8, sorted(ours)
     assert max((ours[key] - theirs[key]).abs().max().item() for key in ours) < LAYOUT_TOLERANCE
     assert (tmp_path / "pp" / "adapter_config.json").is_file()
+    merged = ranks2.run(train, config, [*lora, "export.lora=merged", f"export.dir={tmp_path / 'merged'}", checkpoints])
+    assert merged[0]["resumed_from"] == 4 and merged[0]["export_logits"] <= 1e-5, merged[0]
 
 
 def test_pretraining_under_pp2_matches_it_without_pp(ranks2, chat_checkpoint, tmp_path):
