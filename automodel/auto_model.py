@@ -105,7 +105,7 @@ class _NeMoAutoBase:
         quantization while loading (``load_in_8bit``, ``quantization_config``) are refused with the reason.
         """
         dtype = dtype_argument(dtype, torch_dtype)
-        config_overrides = check_loading_options(kwargs)
+        config_overrides = check_loading_options(kwargs, with_mesh=mesh_context is not None)
         hub = HubOptions(
             revision=revision,
             cache_dir=cache_dir,

@@ -67,12 +67,19 @@ LOADING_OPTIONS = (
 )
 
 
-def check_loading_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Refuse the keywords that conflict with a mesh or are not supported; return the rest, which must be config
-    attributes (checked once the config is read, :func:`unknown_keywords_error`)."""
+def check_loading_options(kwargs: dict[str, Any], *, with_mesh: bool = True) -> dict[str, Any]:
+    """Refuse the keywords that conflict with a mesh (``with_mesh``: whether one was passed) or are not supported;
+    return the rest, which must be config attributes (checked once the config is read, :func:`unknown_keywords_error`)."""
     for key in kwargs:
-        if key in _CONFLICTS_WITH_MESH:
+        if key in _CONFLICTS_WITH_MESH and with_mesh:
             raise ValueError(f"from_pretrained({key}=...) cannot be combined with a mesh: {_CONFLICTS_WITH_MESH[key]}.")
+        if key in _CONFLICTS_WITH_MESH:
+            raise ValueError(
+                f"from_pretrained({key}=...) is not supported here: this library places the model itself. Without "
+                "mesh_context it loads the whole model on the CPU; to spread it over devices, pass "
+                f"mesh_context=MeshContext.build(...) ({_CONFLICTS_WITH_MESH[key]}); for {key} itself, use "
+                "transformers' AutoModel classes."
+            )
         if key in _QUANTIZATION:
             raise ValueError(
                 f"from_pretrained({key}=...) asks to quantize the model while loading, which is not supported: the "

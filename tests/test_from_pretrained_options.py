@@ -42,14 +42,24 @@ def test_config_attributes_are_overridden_as_in_transformers(checkpoint):
     assert AutoModelForCausalLM.from_pretrained(checkpoint, rms_norm_eps=1e-3).config.rms_norm_eps == 1e-3
 
 
+def test_without_a_mesh_the_refusal_says_what_loads_instead(checkpoint):
+    """No mesh_context was passed: the refusal does not speak of one being combined, it says where the model goes."""
+    with pytest.raises(ValueError) as error:
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, device_map="auto")
+    message = str(error.value)
+    assert "cannot be combined with a mesh" not in message, message
+    assert message.startswith("from_pretrained(device_map=...) is not supported here: this library places the model")
+    assert "Without mesh_context it loads the whole model on the CPU" in message and "MeshContext.build" in message
+
+
 @pytest.mark.parametrize(
     ("keyword", "value", "expected"),
     [
         ("load_in_8bit", True, "asks to quantize the model while loading, which is not supported"),
         ("load_in_4bit", True, "asks to quantize the model while loading"),
         ("quantization_config", {"quant_method": "bitsandbytes"}, "asks to quantize the model while loading"),
-        ("device_map", "auto", "cannot be combined with a mesh: it places whole modules on devices"),
-        ("max_memory", {0: "1GB"}, "cannot be combined with a mesh"),
+        ("device_map", "auto", "is not supported here: this library places the model itself"),
+        ("max_memory", {0: "1GB"}, "(it sizes a device_map; with a mesh every rank holds only its own shards)"),
         ("offload_folder", "/tmp/x", "cpu_offload=True"),
         ("tp_size", 2, "MeshContext.build(tp_size=...)"),
         ("low_cpu_mem_usage", False, "always built on the meta device"),

@@ -218,3 +218,14 @@ def test_checkpoint_async_is_the_key_though_async_is_a_python_keyword(config_fil
     assert load_config(config_file).checkpoint.async_ is False
     with pytest.raises(ConfigError, match=re.escape("checkpoint accepts ['async', 'dir', 'every_steps', 'keep']")):
         load_config(config_file, ["checkpoint.async_=true"])
+
+
+def test_the_model_card_lists_the_layout_choices_not_its_defaults(config_file):
+    """The card of a run without a pipeline has no pp_schedule; the strategy is always there, other keys only when
+    set to something else than their default (the pipeline's schedule keys with a pipeline)."""
+    from automodel.training.export_step import training_summary
+
+    plain = training_summary(load_config(config_file, ["layout.tp_size=2", "layout.pp_schedule=gpipe"]))["layout"]
+    assert plain == {"strategy": "fsdp2", "tp_size": 2}, plain
+    pipelined = training_summary(load_config(config_file, ["layout.pp_size=2", "layout.pp_schedule=gpipe"]))["layout"]
+    assert pipelined == {"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "gpipe"}, pipelined

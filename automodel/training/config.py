@@ -48,8 +48,8 @@ RECIPES = ("sft", "pretrain")
 @dataclass(frozen=True)
 class ModelSection:
     """``path``: a hub id or local directory (checkpoint for SFT; config + tokenizer source for pretraining).
-    ``tiny_if_missing``: when ``path`` does not exist, write a tiny random Llama there first, with a word-level
-    tokenizer over ``data.path`` (seconds-long smoke tests, ``recipes/sft_tiny.yaml``). ``kind``: the auto class;
+    ``tiny_if_missing``: when ``path`` does not exist, write a tiny random Llama there (the project's smoke tests,
+    ``recipes/sft_tiny.yaml``; never in a user's config, where a mistyped path would train random weights). ``kind``: the auto class;
     ``auto`` reads the checkpoint's config (a vision-language model takes ``image_text_to_text``, which renders its
     chats with the model's processor; see ``docs/vlm.md``)."""
 

@@ -18,7 +18,7 @@ KEY_MEANINGS = {
     "model.revision": "hub revision (branch, tag or commit)",
     "model.trust_remote_code": "allow the checkpoint's own modeling code",
     "model.attn_implementation": "attention kernel, e.g. sdpa or eager (null: transformers' default)",
-    "model.tiny_if_missing": "write a tiny random Llama to model.path when nothing is there (smoke tests)",
+    "model.tiny_if_missing": "the project's smoke tests: write a tiny RANDOM Llama to model.path if nothing is there",
     "layout.strategy": "fsdp2, ddp or megatron_fsdp (CUDA)",
     "layout.dp_replicate_size": "HSDP: replicas of the sharded model (dp_shard is what is left of the processes)",
     "layout.tp_size": "tensor parallelism: ranks that split each layer (must divide the attention heads)",

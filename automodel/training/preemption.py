@@ -5,10 +5,11 @@ Any process may get the signal: the ``automodel`` command (it forwards it to the
 forwards it to its workers), or a single rank. The signal only sets a flag; the ranks agree on it after every step
 (one all-reduce of a flag), save a checkpoint together and end with status 0.
 
-Schedulers often deliver one notice several times: SLURM signals every process of the job step, and the launcher
-forwards it too. Signals within ``DUPLICATE_WINDOW_S`` of the first are that same notice. A signal after that stops the
-process at once: a save it interrupts never becomes visible (see ``automodel.training.checkpoint``), so the previous
-complete checkpoint stays the newest.
+Rank 0 says what a signal does, once for the job (every process gets a Ctrl-C). Schedulers often deliver one notice
+several times: SLURM signals every process of the job step, and the launcher forwards it too. Signals within
+``DUPLICATE_WINDOW_S`` of the first are that same notice. A signal after that stops the process at once: a save it
+interrupts never becomes visible (see ``automodel.training.checkpoint``), so the previous complete checkpoint stays the
+newest.
 """
 
 from __future__ import annotations
@@ -64,18 +65,25 @@ class PreemptionHandler:
         if self.received is not None:
             if time.monotonic() - self._received_at < DUPLICATE_WINDOW_S:
                 return  # the same notice again, by another route
-            os.write(2, f"automodel: second {name}: stopping now, without a checkpoint\n".encode())
+            _say(f"automodel: second {name}: stopping now, without a checkpoint\n")
             os._exit(128 + signum)
         self.received = signal.Signals(signum)
         self._received_at = time.monotonic()
         again = "; press Ctrl-C again to stop without saving" if signum == signal.SIGINT else ""
-        os.write(2, f"automodel: {name} received: saving a checkpoint after this step, then exiting{again}\n".encode())
+        _say(f"automodel: {name} received: saving a checkpoint after this step, then exiting{again}\n")
 
     def agreed(self, device: torch.device) -> bool:
         """Collective: whether any rank got a signal (the same answer on every rank)."""
         flag = torch.tensor([0 if self.received is None else 1], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _say(line: str) -> None:
+    """Write ``line`` to stderr from rank 0 (or a process outside a job): a Ctrl-C reaches every process of the job at
+    once, and one line says what it does. The other ranks act on it in silence."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, line.encode())
 
 
 def describe(signum: signal.Signals) -> str:
