@@ -17,7 +17,9 @@ a rank fails, the command ends with one screen saying which rank, how, and where
 
 A SIGTERM or SIGUSR1 to the command is passed on to the training processes, which save a checkpoint after their
 current step and end; the command then exits with status 0 (see ``automodel.training.preemption``). Ctrl-C does the
-same and exits with status 130; a second Ctrl-C stops at once without saving.
+same and exits with status 130; a second Ctrl-C stops at once without saving. With ``export.push_to_hub`` the
+command uploads the export once the processes have ended (``automodel.training.hub_upload``) and exits with status 3
+when that upload fails. ``automodel --help`` lists the commands and every exit status (``commands.py``).
 """
 
 from __future__ import annotations
