@@ -24,6 +24,7 @@ from .hf_plans import (
     model_ep_plan,
 )
 from .model_structure import retie_parameters, tied_module_groups, tied_parameter_names
+from .pipeline_stages import whole_model
 
 __all__ = [
     "apply_expert_parallel",
@@ -67,14 +68,15 @@ def expert_module_names(model: nn.Module) -> list[str]:
 
 def validate_experts(model: nn.Module, ep_size: int, tp_size: int) -> list[str]:
     """Raise a clear error when ``model`` cannot be split over ``ep_size`` expert-parallel ranks; return the names of
-    its experts modules."""
+    its experts modules. A pipeline stage is judged as the whole model it was cut from: a stage that holds none of the
+    model's experts (Nemotron-H's first blocks) has nothing to split, and is not refused for it."""
     if ep_size % tp_size:
         raise ValueError(
             f"ep_size={ep_size} must be a multiple of tp_size={tp_size}: the TP ranks share one batch and each "
             "dispatches a slice of it, so a TP group must lie inside one expert-parallel group."
         )
     names = expert_module_names(model)
-    if not names:
+    if not names and not expert_module_names(whole_model(model)):
         raise ValueError(
             f"ep_size={ep_size}, but {type(model).__name__} has no routed experts in an expert-parallel plan (no "
             f"'{EXPERT_DISPATCH_STYLE}' module in `model.ep_plan` / `config.base_model_ep_plan`). Use ep_size=1 "

@@ -56,9 +56,9 @@ def load_pipeline_stages(
     aliases = tied_aliases(model)
     tied = _split_ties(model, split.roles)
     stages, report = [], LoadReport()
-    for position, index in enumerate(layout.local_stages):
+    parallelized = _parallelized_stages(model, split, context)
+    for position, (index, stage) in enumerate(zip(layout.local_stages, parallelized, strict=True)):
         last_local = position == len(layout.local_stages) - 1
-        stage = parallelized_stage(model, split, index, context)
         allocated = materialize(stage, device_of(context))
         stage_report, error = LoadReport(), None
         try:
@@ -76,6 +76,19 @@ def load_pipeline_stages(
         stages.append(stage)
     pipelined = PipelinedModel(stages, layout.local_stages, layout, device_of(context), tied, model)
     return Loaded(pipelined, report)
+
+
+def _parallelized_stages(model: nn.Module, split: StageSplit, context: MeshContext) -> list[nn.Module]:
+    """Collective: this rank's stages, parallelized (still on meta). A refusal on one stage (its parts alone may break
+    a rule the others keep) is raised on every rank of every stage with the same message, before anything is
+    allocated: the other stages' ranks would otherwise go on to load and wait for it."""
+    stages, error = [], None
+    try:
+        stages = [parallelized_stage(model, split, index, context) for index in context.pipeline.local_stages]
+    except Exception as exc:  # noqa: BLE001 - any failure, raised on every rank by agree_or_raise
+        error = exc
+    agree_or_raise(error, f"Parallelizing the pipeline stages of {type(model).__name__}")
+    return stages
 
 
 def _fill_stage(

@@ -26,10 +26,11 @@ def make_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": train.weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+    # A rank may hold no trainable parameter (a pipeline stage without LoRA adapters): torch refuses an optimizer
+    # without parameter groups, not one whose group is empty, and the rank still takes part in every step.
+    groups = [group for group in groups if group["params"]] or groups[:1]
     # foreach=False: the per-parameter loop treats DTensors on different meshes (TP, FSDP, EP) alike.
-    return torch.optim.AdamW(
-        [group for group in groups if group["params"]], lr=train.lr, betas=train.betas, foreach=False
-    )
+    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, foreach=False)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection) -> torch.optim.lr_scheduler.LambdaLR:

@@ -16,7 +16,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from automodel.distributed import ModelParallelizer, checkpoint_module, fully_shard_by_dtype, shard_default_units
+from automodel.distributed import (
+    ModelParallelizer,
+    checkpoint_module,
+    decoder_layers,
+    fully_shard_by_dtype,
+    shard_default_units,
+)
 
 __all__ = ["PARALLELIZER"]
 
@@ -137,7 +143,9 @@ def _checkpoint_mixers(model: nn.Module, mode: bool | str, replay_routing: bool)
     """
     if not mode:
         return []
-    mixers = [block.mixer for block in _decoder_blocks(model)[1] if _block_type(block) in _CHECKPOINTED_MIXERS]
+    # The shared traversal's blocks: a pipeline stage's own, not the stand-ins it holds for other stages' blocks
+    # (which keep their `block_type` for the model's mask choice, but no mixer).
+    mixers = [block.mixer for block in decoder_layers(model) if _block_type(block) in _CHECKPOINTED_MIXERS]
     for mixer in mixers:
         checkpoint_module(mixer, selective=mode == "selective", replay_routing=replay_routing)
     return mixers
