@@ -101,6 +101,22 @@ def test_under_tp_and_pp_the_adapter_alone_is_saved_and_resumes_bitwise(ranks2, 
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["layout.strategy=fsdp2", "layout.pp_size=2"], ids=["fsdp2", "pp2"])
+def test_a_tied_frozen_head_is_not_saved_under_its_own_name(ranks2, tmp_path, layout):
+    """torch's ignore_frozen_params drops a frozen parameter under its first name only: a tied head kept the frozen
+    embedding under its own (a LoRA checkpoint of SmolLM2-135M was 117 MiB, not 9). Under PP the last stage's head
+    also answers to the embedding's name. Only the adapter is saved, and the resume is bitwise."""
+    base = save_tiny_chat_checkpoint(tmp_path / "tied", tie_word_embeddings=True)
+    config = _config(tmp_path, base)
+    through = ranks2.run(train, config, [*LORA, layout])[0]["losses"]
+    checkpoints = [*LORA, layout, f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    ranks2.run(train, config, [*checkpoints, "train.stop_after_steps=3"])
+    keys = _saved_keys(tmp_path / "ckpt" / "step_00000003")
+    assert _only_the_adapter(keys) and not any("lm_head" in key or "embed_tokens" in key for key in keys), keys
+    assert ranks2.run(train, config, checkpoints)[0]["losses"] == through
+
+
+@pytest.mark.distributed
 def test_a_changed_base_is_refused_and_a_moved_one_is_said(ranks2, tmp_path):
     """The LoRA checkpoint of step 3, then: the base written again in place (same shapes, new weights: refused, on
     every rank), a base of another shape at another path (refused), the base copied elsewhere (accepted, said, and
