@@ -104,6 +104,10 @@ def test_a_file_split_among_processes_reports_the_first_mistake_at_its_line_in_t
         check_jsonl(path, "sft", workers=3)
     assert str(error.value).startswith(f"{path}:252: not valid JSON (Expecting property name"), error.value
     assert check_jsonl(_jsonl(tmp_path / "fine.jsonl", good), "sft", workers=3) == 300
+    monkeypatch.setattr(data_check.sys, "executable", "/bin/false")  # no checking process can start
+    assert check_jsonl(tmp_path / "fine.jsonl", "sft", workers=3) == 300, "the checker's failure is not the data's"
+    with pytest.raises(DataError, match=r"big.jsonl:252: not valid JSON"):
+        check_jsonl(path, "sft", workers=3)
 
 
 def test_a_folder_is_checked_file_by_file(tmp_path):

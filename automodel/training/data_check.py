@@ -110,19 +110,29 @@ def check_jsonl(path: str | Path, kind: str, *, workers: int | None = None) -> i
 
 
 def _in_processes(jobs: list[tuple[Path, int, int, str]]) -> list[tuple[int, int, tuple[int, str] | None]]:
-    """:func:`_check_range` of each job in a fresh interpreter of its own, all at once. Not ``multiprocessing``: its
-    spawn and forkserver start methods run the caller's ``__main__`` again (a script, a notebook), and fork copies a
-    process that may run torch's threads."""
+    """:func:`_check_range` of each job in a fresh interpreter of its own, all at once; a job whose process fails (it
+    could not start, or was killed) is checked here instead. Not ``multiprocessing``: its spawn and forkserver start
+    methods run the caller's ``__main__`` again (a script, a notebook), and fork copies a process that may run torch's
+    threads."""
     command = [sys.executable, "-c", "from automodel.training.data_check import _range_worker; _range_worker()"]
+    package_root = str(Path(__file__).resolve().parents[2])  # importable as here, installed or from a checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     workers = [
-        subprocess.Popen([*command, str(path), str(start), str(stop), kind], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*command, str(path), str(start), str(stop), kind],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         for path, start, stop, kind in jobs
     ]
     outcomes = []
     for worker, job in zip(workers, jobs, strict=True):
         output, _ = worker.communicate()
         if worker.returncode:
-            raise DataError(f"{job[0]}: the process checking bytes {job[1]}-{job[2]} failed (exit {worker.returncode})")
+            outcomes.append(_check_range(*job))  # the checker failed, not the data: check this part here
+            continue
         lines, records, mistake = json.loads(output)
         outcomes.append((lines, records, None if mistake is None else tuple(mistake)))
     return outcomes
