@@ -196,11 +196,16 @@ def _check_one_screen(result: subprocess.CompletedProcess, tmp_path: Path, messa
 
 @pytest.mark.distributed
 def test_a_data_error_found_in_tokenization_fits_one_screen(tmp_path):
+    """A record the pre-launch check passes (its keys and JSON are sound) but tokenization refuses: a message with
+    the reserved characters the chat rendering uses as markers."""
     model = save_tiny_chat_checkpoint(tmp_path / "model")
     data = tmp_path / "bad.jsonl"
-    data.write_text(json.dumps({"foo": 1}) + "\n" + json.dumps({"foo": 2}) + "\n")
+    messages = [{"role": "user", "content": "hi \ue000"}, {"role": "assistant", "content": "x"}]
+    data.write_text(json.dumps({"messages": messages}) + "\n")
     result, seconds = _automodel(tmp_path, model, data)
-    _check_one_screen(result, tmp_path, "ranks 0, 1 failed: ValueError: SFT record 0 has keys ['foo']")
+    _check_one_screen(
+        result, tmp_path, "ranks 0, 1 failed: ValueError: SFT record 0, message 0 contains the reserved characters"
+    )
     assert 'automodel/training/data.py", line' in result.stderr, "the project's innermost frames are shown"
     print(f"failed and summarised in {seconds:.1f} s")
 

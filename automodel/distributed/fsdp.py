@@ -92,7 +92,7 @@ def default_fsdp_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
 
     Units: decoder layers (``_no_split_modules``), the input embeddings, the output head and the modules of the
     model's transformers FSDP plan (whose ``"keep_full_weight"`` entries skip resharding after forward) — except
-    modules holding a tied parameter, which stays in the root unit as one parameter.
+    modules holding a tied parameter, which stays in the root unit as one parameter, and modules holding none.
     """
     names = {module: name for name, module in model.named_modules()}
     tied = {name for group in tied_parameter_names(model) for name in group}
@@ -105,7 +105,9 @@ def default_fsdp_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
     planned = [module for module, name in names.items() if name and module_style(name, plan) is not None]
     candidates = [*decoder_layers(model), input_embeddings(model), output_embeddings(model), *planned]
     units = [m for m in dict.fromkeys(candidates) if m is not None and m is not model and m in names]
-    units = [m for m in units if not holds_tied(m)]
+    # Not a unit: a module holding a tied parameter, or none at all (a pipeline stage's stand-ins for other stages'
+    # layers, embedding or head: an FSDP unit without parameters would only add hooks).
+    units = [m for m in units if not holds_tied(m) and next(m.parameters(), None) is not None]
     units.sort(key=lambda module: -names[module].count("."))
     return [(module, module_style(names[module], plan) == "keep_full_weight") for module in units]
 

@@ -80,9 +80,13 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a parallelized model on any layout (TP, FSDP2, HSDP, EP, CP, DDP):
     scale the gradients so their global norm is at most ``max_norm``; return the norm before clipping (on the
-    gradients' device, as torch's). Collective: call it on every rank."""
-    parameters = [parameters] if isinstance(parameters, torch.Tensor) else [p for p in parameters if p.grad is not None]
+    gradients' device, as torch's). Collective: call it on every rank, with every parameter of the model (under
+    pipeline parallelism a rank whose list names no parameter of its stages cannot join the stages' norm)."""
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    # Every parameter decides the pipeline's norm reduction, with a gradient or not: a stage whose parameters are all
+    # frozen (a pipeline stage without LoRA adapters) must still join it, or the other stages wait for it.
     total = total_grad_norm(parameters, norm_type)
+    parameters = [param for param in parameters if param.grad is not None]
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so they cannot be "
