@@ -30,7 +30,12 @@ from automodel._compat.transformers import CACHE_ARGUMENTS
 
 from .model_structure import decoder_layers
 
-__all__ = ["apply_activation_checkpointing", "checkpoint_module", "selective_checkpoint_policy"]
+__all__ = [
+    "apply_activation_checkpointing",
+    "checkpoint_module",
+    "checkpoint_targets",
+    "selective_checkpoint_policy",
+]
 
 _aten = torch.ops.aten
 # Saved under "selective": the matmul outputs (expensive to recompute). Everything else (norms, activations,
@@ -166,6 +171,17 @@ def _layer_blocks(layer: nn.Module) -> list[nn.Module]:
     return [child for child in layer.children() if next(child.children(), None) is not None]
 
 
+def checkpoint_targets(
+    layers: list[nn.Module], *, full_layers: bool, blocks: Callable[[nn.Module], list[nn.Module]] = _layer_blocks
+) -> list[nn.Module]:
+    """The modules activation checkpointing wraps: each decoder layer's blocks (attention, MLP) or, with
+    ``full_layers``, the whole layers."""
+    targets: list[nn.Module] = []
+    for layer in layers:
+        targets.extend([layer] if full_layers else blocks(layer))
+    return targets
+
+
 def apply_activation_checkpointing(
     model: nn.Module,
     mode: str,
@@ -181,9 +197,7 @@ def apply_activation_checkpointing(
     """
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode {mode!r} is not 'full' or 'selective'.")
-    targets: list[nn.Module] = []
-    for layer in decoder_layers(model):
-        targets.extend([layer] if full_layers else blocks(layer))
+    targets = checkpoint_targets(decoder_layers(model), full_layers=full_layers, blocks=blocks)
     for module in targets:
         checkpoint_module(module, selective=mode == "selective", replay_routing=replay_routing)
     return targets

@@ -24,7 +24,13 @@ from automodel._compat.torch import all_gather, all_gather_autograd
 
 from .model_structure import decoder_layers
 
-__all__ = ["CP_ATTENTION", "apply_context_parallel", "gather_sequence", "shard_batch_for_context_parallel"]
+__all__ = [
+    "CP_ATTENTION",
+    "apply_context_parallel",
+    "check_context_parallel",
+    "gather_sequence",
+    "shard_batch_for_context_parallel",
+]
 
 CP_ATTENTION = "automodel_context_parallel"
 
@@ -32,8 +38,8 @@ IGNORE_INDEX = -100
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Route ``model``'s attention through the CP kernel over ``cp_mesh``; refuse blocks it cannot handle."""
-    _refuse_unsupported(model)
+    """Route ``model``'s attention through the CP kernel over ``cp_mesh`` (:func:`check_context_parallel` has
+    refused blocks it cannot handle)."""
     for layer in decoder_layers(model):
         for module in layer.modules():
             module._automodel_cp_mesh = cp_mesh
@@ -43,7 +49,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     model.set_attn_implementation(CP_ATTENTION)
 
 
-def _refuse_unsupported(model: nn.Module) -> None:
+def check_context_parallel(model: nn.Module) -> None:
+    """Raise, naming the decoder layer and the fix, where the CP kernel cannot handle ``model``'s attention (no
+    ``self_attn``, a sliding window, attention sinks). Touches nothing."""
     config = getattr(model, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = set(getattr(text_config, "layer_types", None) or ())

@@ -1,7 +1,9 @@
 """``ModelParallelizer``: the one model-facing parallelization contract, and the shared default implementation.
 
-``parallelize(model, mesh_context)`` is the only public operation. Every path runs one flow, written once in
-``_apply`` (the steps are the functions of ``checklist.py``):
+``parallelize(model, mesh_context)`` is the only public operation: it plans, then applies. The planner
+(:func:`~automodel.distributed.planner.plan_parallelization`) makes every decision and every refusal on the model as
+it is, into a frozen :class:`~automodel.distributed.plan.ParallelPlan`; the default ``_apply`` carries the plan out in
+one straight pass (:func:`~automodel.distributed.apply.apply_plan`):
 
     TP (expert rules dropped under EP) -> EP -> CP -> activation checkpointing -> compile -> trainability -> shard
 
@@ -15,8 +17,9 @@ Megatron-FSDP without EP    the Megatron-FSDP path: shard = ``megatron_fsdp.full
 ==========================  =================================================================================
 
 Sidecars subclass it and override the narrowest protected hook (see ``docs/model-parallelizer.md``); because every
-path goes through ``_apply`` and the same steps, an override holds on every path it can apply to, and
-``hook_policy.check_hooks`` refuses up front where one cannot.
+path goes through ``_apply`` and the same plan, an override holds on every path it can apply to, and the planner
+refuses up front where one cannot. A sidecar that overrides ``_apply`` itself (to refuse, or to set a model up before
+``super()._apply(...)``) is planned inside that call, with the options it passes.
 """
 
 from __future__ import annotations
@@ -30,13 +33,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from . import checklist
-from .config import FSDP2Config, MegatronFSDPConfig
-from .fsdp import fsdp_mesh, fully_shard_default, shard_default_units
-from .hook_policy import check_hooks, path_name
-from .megatron_fsdp import require_megatron_fsdp
+from .apply import apply_plan
+from .config import FSDP2Config
+from .fsdp import fully_shard_default, shard_default_units
 from .mesh import MeshContext
 from .parallel_model import adopt_parallelized_class
+from .planner import Planned, apply_arguments, check_parallelizer, overrides, path_name, plan_with
 from .runtime import log_rank_zero
 from .tensor_parallel import resolve_tp_plan, validate_attention_heads
 
@@ -66,14 +68,23 @@ class ModelParallelizer:
         The model may be on the meta device (weights are loaded afterwards into the shards) or hold real weights
         (every rank must then hold the same ones). Every request that cannot be honoured raises before the model is
         touched, identically on every rank. A transformers model keeps its class, as a subclass whose
-        ``save_pretrained`` and ``push_to_hub`` are collective and write the consolidated checkpoint.
+        ``save_pretrained`` and ``push_to_hub`` are collective and write the consolidated checkpoint; it records
+        the plan it was parallelized by as ``model.parallel_plan``.
         """
-        check_hooks(self, mesh_context)
-        _check_strategy(mesh_context)
+        arguments = apply_arguments(self, mesh_context)
+        planned = None
+        if overrides(self, "_apply"):
+            # The rest is planned inside the override's super()._apply, with the options it passes.
+            notes = check_parallelizer(self, mesh_context)
+        else:
+            planned = Planned(plan_with(self, model, mesh_context, arguments), arguments)
+            notes = list(planned.plan.notes)
+        for note in notes:
+            log_rank_zero(logger, "%s", note)
         log_rank_zero(
             logger, "Parallelizing %s with %s on %s", type(model).__name__, type(self).__name__, path_name(mesh_context)
         )
-        model = self._apply(model, **_apply_arguments(self, mesh_context))
+        model = self._apply(model, **arguments, parallel_plan=planned)
         adopt_parallelized_class(model)
         return model
 
@@ -103,40 +114,30 @@ class ModelParallelizer:
 
         Override to surround or replace it for one model, and call ``super()._apply(...)`` to keep the ordering; the
         override runs on every path, so refusals and policies it adds hold everywhere. ``kwargs`` carries the
-        ``mesh_context`` (EP meshes, strategy) and ``save_router_decisions``: pass it on unchanged.
+        ``mesh_context`` (EP meshes, strategy), ``save_router_decisions`` and the plan ``parallelize`` made: pass it on
+        unchanged. The plan is made again, from the arguments this receives, where an override changed them.
         """
         context = kwargs.get("mesh_context") or MeshContext(device_mesh=device_mesh, strategy=FSDP2Config())
-        tp_mesh = device_mesh[tp_mesh_name]
-        # Everything that can refuse runs first, so a refusal leaves the model untouched.
-        checklist.validate_encoder_towers(model, device_mesh["cp"].size())
-        expert_names = checklist.validate_expert_parallel(model, context)
-        compiling = checklist.validate_compile(context)
-        tp_plan = checklist.plan_tensor_parallel(self, model, tp_mesh, tp_shard_plan, expert_names)
-        requires_grad = {name: param.requires_grad for name, param in model.named_parameters()}
-
-        done = [checklist.tensor_parallel_step(model, tp_mesh, tp_plan, sequence_parallel, expert_names)]
-        experts = checklist.expert_parallel_step(model, context, expert_names)
-        if experts:
-            done.append(f"EP over ep={context.ep_size}: {sum(map(len, experts))} experts modules")
-        done.append(checklist.context_parallel_step(model, device_mesh["cp"]))
-        replay_routing = kwargs.get("save_router_decisions", context.moe.save_router_decisions)
-        done.append(checklist.activation_checkpointing_step(self, model, activation_checkpointing, replay_routing))
-        done.append(checklist.compile_step(model, compiling))
-        done.append(checklist.trainability_step(model, requires_grad, reapply_trainability))
-        model, sharded = checklist.shard_step(
-            self,
-            model,
-            context,
-            experts,
-            fsdp_mesh(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name),
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            reshard_after_forward=reshard_after_forward,
-        )
-        done.append(sharded)
-        for line in filter(None, done):
-            log_rank_zero(logger, "%s", line)
-        return model
+        options = {
+            "device_mesh": device_mesh,
+            "mp_policy": mp_policy,
+            "offload_policy": offload_policy,
+            "sequence_parallel": sequence_parallel,
+            "activation_checkpointing": activation_checkpointing,
+            "tp_shard_plan": tp_shard_plan,
+            "dp_replicate_mesh_name": dp_replicate_mesh_name,
+            "dp_shard_cp_mesh_name": dp_shard_cp_mesh_name,
+            "tp_mesh_name": tp_mesh_name,
+            "reshard_after_forward": reshard_after_forward,
+            "reapply_trainability": reapply_trainability,
+            **{key: value for key, value in kwargs.items() if key != "parallel_plan"},
+            "mesh_context": context,
+        }
+        planned: Planned | None = kwargs.get("parallel_plan")
+        if planned is None or not planned.made_from({key: options.get(key) for key in planned.options}):
+            # A sidecar's override passed other options (its own TP plan, its own checkpointing): plan with them.
+            planned = Planned(plan_with(self, model, context, options), options)
+        return apply_plan(self, model, planned.plan, context, options)
 
     def _apply_fsdp_sharding(
         self,
@@ -180,40 +181,3 @@ class ModelParallelizer:
 def parallelizer_for(model: nn.Module) -> ModelParallelizer:
     """The parallelizer a model's class carries (its sidecar's ``PARALLELIZER``), else ``ModelParallelizer()``."""
     return getattr(type(model), "parallelizer", None) or ModelParallelizer()
-
-
-def _check_strategy(context: MeshContext) -> None:
-    """Refuse what no path can run, before the model is touched (``MeshContext.build`` refuses these too; a context
-    built field by field reaches here)."""
-    strategy = context.strategy
-    if context.ep_size > 1 and not isinstance(strategy, FSDP2Config):
-        raise ValueError(
-            f"ep_size={context.ep_size} runs on the unified MoE path, which shards with FSDP2: use strategy='fsdp2' "
-            f"(got {strategy.name!r})."
-        )
-    if isinstance(strategy, MegatronFSDPConfig):
-        require_megatron_fsdp()
-        if context.cp_size > 1:
-            raise ValueError(
-                f"strategy='megatron_fsdp' with cp_size={context.cp_size} is not supported: use strategy='fsdp2' "
-                "for context parallelism."
-            )
-
-
-def _apply_arguments(parallelizer: ModelParallelizer, context: MeshContext) -> dict[str, Any]:
-    """The documented ``_apply`` keyword arguments, derived from the one ``MeshContext``; the context itself and the
-    router policy travel in ``**kwargs``."""
-    strategy = context.strategy
-    fsdp2 = isinstance(strategy, FSDP2Config)
-    return {
-        "device_mesh": context.device_mesh,
-        "mp_policy": strategy.mp_policy() if fsdp2 else None,
-        "offload_policy": strategy.offload_policy() if fsdp2 else None,
-        "sequence_parallel": context.sequence_parallel,
-        "activation_checkpointing": context.activation_checkpointing,
-        "tp_shard_plan": parallelizer._tp_plan,
-        "reshard_after_forward": strategy.reshard_after_forward if fsdp2 else None,
-        "reapply_trainability": context.reapply_trainability,
-        "mesh_context": context,
-        "save_router_decisions": context.moe.save_router_decisions,
-    }
