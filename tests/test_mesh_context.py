@@ -7,7 +7,8 @@ import torch
 
 from automodel.distributed import DDPConfig, FSDP2Config, MegatronFSDPConfig
 from automodel.distributed.config import strategy_from_name
-from automodel.distributed.mesh import _normalize_activation_checkpointing, _validate_layout
+from automodel.distributed.layout import _validate_layout
+from automodel.distributed.mesh import _normalize_activation_checkpointing
 from tests.cases import hooks
 
 

@@ -10,22 +10,20 @@ ranks holds the routed experts.
 
 from __future__ import annotations
 
-import atexit
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from automodel._compat.torch import default_process_group, flatten_mesh
 
-from .config import DDPConfig, MegatronFSDPConfig, MoEConfig, StrategyConfig, strategy_from_name
-from .pipeline_layout import PipelineLayout, check_pipeline
+from .config import MoEConfig, StrategyConfig, strategy_from_name
+from .layout import Layout, check_layout
+from .pipeline_layout import PipelineLayout
+from .process_group import ensure_process_group, register_gloo_exit_grace
 from .runtime import collective_device
 
 __all__ = [
@@ -65,139 +63,6 @@ def _check_compile(value: bool | str) -> bool | str:
     if value != "auto" and not isinstance(value, bool):
         raise ValueError(f"compile={value!r} must be 'auto', True or False.")
     return value
-
-
-def _ensure_process_group() -> None:
-    """Use the initialised default process group, or start one from the torchrun environment."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError(
-            "MeshContext.build needs torch.distributed: launch with `torchrun --nproc-per-node N script.py` or call "
-            "torch.distributed.init_process_group() first."
-        )
-    restart = _restart_store()
-    if not torch.cuda.is_available():
-        dist.init_process_group(backend="gloo", **restart)
-        return
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
-    # A bound device lets `init_device_mesh` create each mesh dim's groups with one `split_group` (ncclCommSplit)
-    # instead of one `new_group` call per subgroup of the whole world: O(1) instead of O(N) calls per rank.
-    dist.init_process_group(backend="nccl", device_id=device, **restart)
-
-
-def _restart_store() -> dict[str, object]:
-    """After a torchrun restart (``--max-restarts``), the store keys of this attempt's own: without them, a restarted
-    gloo group reads the connection addresses of the attempt that died, and its init fails ("connectFullMesh failed
-    ... Connection refused", torch 2.13). Nothing (the default ``env://`` init) on a first attempt."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if attempt == 0:
-        return {}
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    store = dist.PrefixStore(f"automodel/restart_{attempt}", client)
-    return {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
-
-
-# How long a process that used gloo releases the GIL at exit (see `_let_gloo_workers_finish`).
-_GLOO_EXIT_GRACE_S = 0.05
-
-
-def _let_gloo_workers_finish() -> None:
-    """At interpreter exit, before shutdown starts: release the GIL for a moment so gloo's worker threads can drop
-    the collectives they have just finished.
-
-    A worker thread releases its reference to a collective's tensors a moment after the collective returns; where
-    Python dropped a tensor first, that release takes the GIL. If the interpreter is already shutting down by then
-    (a script whose last collective was just before its end), the thread is stopped inside torch and the process
-    aborts: "terminate called without an active exception" from ``ProcessGroupGloo::runLoop``, a finished run ending
-    with SIGABRT (about 1 run in 15 of a two-rank FSDP2 script on a loaded CPU machine). ``destroy_process_group``
-    does not help while a model still holds its meshes' groups, and gloo's ``shutdown`` does not join the threads."""
-    time.sleep(_GLOO_EXIT_GRACE_S)
-
-
-_gloo_exit_grace_registered = False
-
-
-def _register_gloo_exit_grace() -> None:
-    """Once in a process that builds a mesh over gloo: :func:`_let_gloo_workers_finish` at exit."""
-    global _gloo_exit_grace_registered
-    if not _gloo_exit_grace_registered and "gloo" in str(dist.get_backend()):
-        _gloo_exit_grace_registered = True
-        atexit.register(_let_gloo_workers_finish)
-
-
-def _check_positive(**sizes: int) -> None:
-    for name, size in sizes.items():
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be a positive integer, got {size!r}.")
-
-
-def _validate_layout(
-    strategy: StrategyConfig,
-    world_size: int,
-    dp_replicate_size: int,
-    tp_size: int,
-    cp_size: int,
-    ep_size: int,
-    sequence_parallel: bool,
-) -> int:
-    """Check the requested layout against the world size and the strategy; return the inferred ``dp_shard`` size."""
-    _check_positive(dp_replicate_size=dp_replicate_size, tp_size=tp_size, cp_size=cp_size, ep_size=ep_size)
-    if isinstance(strategy, DDPConfig):
-        extras = {"dp_replicate_size": dp_replicate_size, "tp_size": tp_size, "cp_size": cp_size, "ep_size": ep_size}
-        bad = {name: size for name, size in extras.items() if size != 1}
-        if bad:
-            names = ", ".join(f"{name}={size}" for name, size in bad.items())
-            raise ValueError(
-                f"The DDP strategy replicates the whole model on every rank, so {names} cannot apply: DDP uses all "
-                f"{world_size} ranks for data parallelism. Use strategy='fsdp2' for HSDP, TP, CP or EP."
-            )
-    if isinstance(strategy, MegatronFSDPConfig) and (cp_size > 1 or ep_size > 1):
-        bad = ", ".join(f"{name}={size}" for name, size in (("cp_size", cp_size), ("ep_size", ep_size)) if size > 1)
-        raise ValueError(
-            f"strategy='megatron_fsdp' with {bad} is not supported: context and expert parallelism run with "
-            "strategy='fsdp2' (the unified MoE path shards experts with FSDP2)."
-        )
-    if isinstance(strategy, MegatronFSDPConfig) and not torch.cuda.is_available():
-        raise RuntimeError(
-            "strategy='megatron_fsdp' needs CUDA GPUs, and torch.cuda.is_available() is False on this machine. "
-            "Use strategy='fsdp2' on CPU."
-        )
-    if sequence_parallel and tp_size == 1:
-        raise ValueError("sequence_parallel=True shards activations over the TP ranks: it needs tp_size > 1.")
-    non_shard = dp_replicate_size * cp_size * tp_size
-    if world_size % non_shard:
-        raise ValueError(
-            f"dp_replicate_size * cp_size * tp_size = {dp_replicate_size} * {cp_size} * {tp_size} = {non_shard} does "
-            f"not divide the world size {world_size}; dp_shard is inferred as world_size / that product."
-        )
-    dp_shard = world_size // non_shard
-    if ep_size > 1 and (dp_shard * cp_size * tp_size) % ep_size:
-        raise ValueError(
-            f"ep_size={ep_size} must divide dp_shard * cp_size * tp_size = {dp_shard} * {cp_size} * {tp_size} = "
-            f"{dp_shard * cp_size * tp_size} (the ranks of one data-parallel replica)."
-        )
-    return dp_shard
-
-
-def check_layout(
-    strategy: str | StrategyConfig,
-    world_size: int,
-    *,
-    dp_replicate_size: int = 1,
-    tp_size: int = 1,
-    cp_size: int = 1,
-    ep_size: int = 1,
-    sequence_parallel: bool = False,
-) -> dict[str, int]:
-    """What ``MeshContext.build`` would check, without a process group (e.g. before launching ``world_size``
-    processes): raises the same errors; returns the inferred ``dp_shard`` and ``dp`` (ranks that see different
-    batches) sizes."""
-    dp_shard = _validate_layout(
-        strategy_from_name(strategy), world_size, dp_replicate_size, tp_size, cp_size, ep_size, sequence_parallel
-    )
-    return {"dp_shard": dp_shard, "dp": dp_replicate_size * dp_shard}
 
 
 # Every mesh axis is a process group with its own transport threads; building the same layout again (a new
@@ -302,26 +167,28 @@ class MeshContext:
         strategy = strategy_from_name(strategy)
         mode = _normalize_activation_checkpointing(activation_checkpointing)
         compile = _check_compile(compile)
-        _check_positive(pp_size=pp_size)
-        microbatches = 1
-        if pp_size > 1:
-            microbatches = check_pipeline(
-                strategy, pp_size, pp_schedule, pp_microbatches, pp_virtual_stages, ep_size=ep_size, cp_size=cp_size
-            )
-        _ensure_process_group()
-        _register_gloo_exit_grace()
-        world_size = dist.get_world_size()
-        if world_size % pp_size:
-            raise ValueError(f"pp_size={pp_size} does not divide the world size {world_size}.")
-        dp_shard = _validate_layout(
-            strategy, world_size // pp_size, dp_replicate_size, tp_size, cp_size, ep_size, sequence_parallel
+        ensure_process_group()
+        register_gloo_exit_grace()
+        layout = Layout(
+            strategy,
+            dist.get_world_size(),
+            pp_size=pp_size,
+            dp_replicate_size=dp_replicate_size,
+            tp_size=tp_size,
+            cp_size=cp_size,
+            ep_size=ep_size,
+            sequence_parallel=sequence_parallel,
+            pp_schedule=pp_schedule,
+            pp_microbatches=pp_microbatches,
+            pp_virtual_stages=pp_virtual_stages,
         )
+        sizes = layout.validate()
         mesh, flattened, moe_mesh, pp_mesh = _meshes(
-            collective_device().type, (dp_replicate_size, dp_shard, cp_size, tp_size), ep_size, pp_size
+            collective_device().type, (dp_replicate_size, sizes.dp_shard, cp_size, tp_size), ep_size, pp_size
         )
         pipeline = None
         if pp_mesh is not None:
-            pipeline = PipelineLayout(pp_mesh, pp_schedule, microbatches, pp_virtual_stages)
+            pipeline = PipelineLayout(pp_mesh, pp_schedule, sizes.microbatches, pp_virtual_stages)
         return cls(
             device_mesh=mesh,
             strategy=strategy,
@@ -364,20 +231,20 @@ class MeshContext:
             raise ValueError(f"moe_mesh axes {moe_mesh.mesh_dim_names} must be exactly {MOE_AXES}.")
         if names != DENSE_AXES:
             device_mesh = _complete_dense_mesh(device_mesh, names)
-        _register_gloo_exit_grace()
+        register_gloo_exit_grace()
         flattened = _flatten_dense_axes(device_mesh)
         strategy = strategy_from_name(strategy)
         sizes = dict(zip(DENSE_AXES, device_mesh.mesh.shape, strict=True))
         ep_size = moe_mesh.size(1) if moe_mesh is not None else 1
-        _validate_layout(
+        Layout(
             strategy,
             device_mesh.size(),
-            sizes["dp_replicate"],
-            sizes["tp"],
-            sizes["cp"],
-            ep_size,
-            sequence_parallel,
-        )
+            dp_replicate_size=sizes["dp_replicate"],
+            tp_size=sizes["tp"],
+            cp_size=sizes["cp"],
+            ep_size=ep_size,
+            sequence_parallel=sequence_parallel,
+        ).validate()
         return cls(
             device_mesh=device_mesh,
             strategy=strategy,

@@ -330,7 +330,7 @@ def _resolve_paths(raw: dict[str, Any], folder: Path) -> None:
 def check_world_size(config: RecipeConfig, world_size: int) -> None:
     """The layout and batch checks that need the number of processes (before launching them): the errors name the
     ``layout.*`` / ``train.*`` keys and the process count."""
-    from automodel.distributed.mesh import check_layout
+    from automodel.distributed.layout import check_layout
 
     layout, train = config.layout, config.train
     if layout.pp_size > 1 and world_size % layout.pp_size:
@@ -360,32 +360,24 @@ def check_world_size(config: RecipeConfig, world_size: int) -> None:
 def pipeline_microbatches(config: RecipeConfig, world_size: int) -> int:
     """The microbatches a pipelined step runs (``train.pp_microbatches``, by default the gradient accumulation
     steps), checked against the pipeline and this rank's share of the global batch."""
-    from automodel.distributed.config import strategy_from_name
-    from automodel.distributed.mesh import check_layout
-    from automodel.distributed.pipeline_layout import check_pipeline
+    from automodel.distributed.layout import Layout
 
     layout, train = config.layout, config.train
-    dp = check_layout(
-        layout.strategy,
-        world_size // layout.pp_size,
+    sizes = dict(
+        pp_size=layout.pp_size,
         dp_replicate_size=layout.dp_replicate_size,
         tp_size=layout.tp_size,
         cp_size=layout.cp_size,
         ep_size=layout.ep_size,
         sequence_parallel=layout.sequence_parallel,
-    )["dp"]
+        pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=layout.pp_virtual_stages,
+    )
+    dp = Layout(layout.strategy, world_size, **sizes).validate(pipeline=False).dp
     rows = train.global_batch_size // dp
     microbatches = train.pp_microbatches or rows // train.micro_batch_size
     try:
-        check_pipeline(
-            strategy_from_name(layout.strategy),
-            layout.pp_size,
-            layout.pp_schedule,
-            microbatches,
-            layout.pp_virtual_stages,
-            ep_size=layout.ep_size,
-            cp_size=layout.cp_size,
-        )
+        Layout(layout.strategy, world_size, **sizes, pp_microbatches=microbatches).validate()
     except ValueError as error:
         source = "train.pp_microbatches" if train.pp_microbatches else "the gradient accumulation steps"
         raise ConfigError(
