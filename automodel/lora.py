@@ -12,7 +12,6 @@ default init (Kaiming-uniform ``lora_A``, zero ``lora_B``) computed once, identi
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 from typing import Any
 
@@ -25,19 +24,11 @@ from automodel.loading.checkpoint_files import CheckpointError
 from automodel.loading.initialization import local_view
 from automodel.loading.placements import local_indices
 from automodel.loading.sources import InMemoryTensor, Source, StoredTensor, select
-from automodel.lora_checkpoint import ADAPTER_WEIGHTS, LoraAdapter, peft_key
+from automodel.lora_checkpoint import ADAPTER_WEIGHTS, LoraAdapter, peft_key, require_peft
 
 __all__ = ["add_lora", "merge_lora", "require_peft"]
 
 _BASE_LAYER = ".base_layer."
-
-
-def require_peft() -> Any:
-    """Import ``peft``, or say how to install it."""
-    try:
-        return importlib.import_module("peft")
-    except ImportError as error:
-        raise ImportError('LoRA needs the peft package: pip install "automodel[peft]".') from error
 
 
 def _check_layout(peft_config: Any, mesh_context: MeshContext | None) -> None:

@@ -9,6 +9,7 @@ and the same config (inference mode, the base model's name and class). ``read_lo
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -42,6 +43,14 @@ class LoraAdapter:
     files: CheckpointFiles
 
 
+def require_peft() -> Any:
+    """Import ``peft``, or say how to install it."""
+    try:
+        return importlib.import_module("peft")
+    except ImportError as error:
+        raise ImportError('LoRA needs the peft package: pip install "automodel[peft]".') from error
+
+
 def peft_key(name: str, adapter_name: str = "default") -> str:
     """The name peft stores a factor under: ``x.lora_A.default.weight`` -> ``base_model.model.x.lora_A.weight``."""
     for factor in _FACTORS:
@@ -59,7 +68,6 @@ def adapter_parameter_names(model: nn.Module, adapter_name: str = "default") -> 
 def read_lora_adapter(directory: str | os.PathLike) -> LoraAdapter:
     """Open a peft adapter folder: its ``adapter_config.json`` as a ``LoraConfig`` and ``adapter_model.safetensors``
     (a truncated or corrupt file fails here)."""
-    from automodel.lora import require_peft
 
     peft = require_peft()
     directory = Path(directory)

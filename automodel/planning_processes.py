@@ -1,5 +1,9 @@
-"""The processes ``automodel.plan`` simulates ranks in: one helper process that imports the libraries once, and one
-child forked from it per simulated rank (``planning._simulate_here`` runs there, under torch's fake process group).
+"""The processes ``automodel.plan`` simulates ranks in: one helper process that imports the simulation's module once,
+and one child forked from it per simulated rank (the function a job names runs there, under torch's fake process
+group).
+
+A job names its function as ``"module:function"``: the helper imports that module before its first fork (torch and
+transformers with it: seconds that each child would pay again), and this module imports none of the planner's.
 
 A child that fails returns its error in one line (its type, message and innermost frame); the caller raises it once,
 as :class:`SimulationError`, with no second traceback from the helper.
@@ -8,6 +12,7 @@ as :class:`SimulationError`, with no second traceback from the helper.
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import pickle
 import signal
@@ -20,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SimulationError", "simulate_elsewhere"]
+__all__ = ["SimulationError", "one_line", "simulate_elsewhere", "start_helper"]
 
 
 class SimulationError(RuntimeError):
@@ -28,23 +33,30 @@ class SimulationError(RuntimeError):
     the error's type and message, and where it was raised."""
 
 
-def simulate_elsewhere(request: Any, rank: int, *, classes: bool) -> dict[str, Any]:
-    """One simulated rank of ``request`` (``planning._Request``) in a fresh process (see :class:`_ForkServer`):
-    what ``planning._simulate_here`` returns there, or its error raised here as :class:`SimulationError`, once.
+def simulate_elsewhere(function: str, request: Any, rank: int, *, classes: bool) -> dict[str, Any]:
+    """``function(request, rank, classes)`` (``"module:function"``: ``planning_simulation.simulate_here``) for one simulated
+    rank of ``request`` (``planning_simulation.Request``) in a fresh process (see :class:`_ForkServer`): what it returns
+    there, or its error raised here as :class:`SimulationError`, once.
 
     A fresh process per rank, because one process cannot be two ranks in a row: device meshes compare equal by
     their layout alone, not by the rank that built them, so DTensor's sharding caches (in Python and C++) would hand
     the second rank meshes of the first, with the first rank's coordinates.
     """
-    global _SERVER
-    with _SERVER_LOCK:
-        if _SERVER is None or _SERVER.process.poll() is not None:
-            _SERVER = _ForkServer()
-        server = _SERVER
-    kind, value = server.run((request, rank, classes))
+    server = start_helper(function)
+    kind, value = server.run((function, (request, rank, classes)))
     if kind != "ok":
         raise SimulationError(f"simulating rank {rank} of {request.world_size} failed: {value}")
     return value
+
+
+def start_helper(function: str) -> _ForkServer:
+    """The helper process, started (once) with ``function``'s module imported: a caller that starts it early lets
+    those seconds of imports run beside its own work."""
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is None or _SERVER.process.poll() is not None:
+            _SERVER = _ForkServer(function.partition(":")[0])
+        return _SERVER
 
 
 class _ForkServer:
@@ -57,9 +69,9 @@ class _ForkServer:
     exits, and the helper never runs a process group itself.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, preload: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "from automodel.planning_processes import _serve; _serve()"],
+            [sys.executable, "-c", f"from automodel.planning_processes import _serve; _serve({preload!r})"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -103,9 +115,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _serve() -> None:
-    """The helper's loop (see :class:`_ForkServer`): fork one child per job line on stdin, print its pid."""
+def _serve(preload: str) -> None:
+    """The helper's loop (see :class:`_ForkServer`): import ``preload`` (the simulation's module), then fork one child
+    per job line on stdin and print its pid: every child starts with the module imported."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    try:
+        importlib.import_module(preload)
+    except BaseException:  # noqa: BLE001 - each child imports it again and reports the error in one line
+        pass
     for line in sys.stdin:
         job_file, result_file = line.rstrip("\n").split("\t")
         pid = os.fork()
@@ -120,18 +137,18 @@ def _run_child(job_file: Path, result_file: Path) -> None:
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)  # the helper's stdout is its answer channel
     try:
-        from automodel.planning import _simulate_here
-
-        outcome = ("ok", _simulate_here(*pickle.loads(job_file.read_bytes())))
+        function, args = pickle.loads(job_file.read_bytes())
+        module, _, name = function.partition(":")
+        outcome = ("ok", getattr(importlib.import_module(module), name)(*args))
     except BaseException as error:  # the parent raises it, in one line
-        outcome = ("error", _one_line(error))
+        outcome = ("error", one_line(error))
     partial = result_file.with_suffix(".part")
     partial.write_bytes(pickle.dumps(outcome))
     os.replace(partial, result_file)
     os._exit(0)
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     """``Type: message (at file:line in function)``: the error and the innermost frame it was raised in, of the
     project's code where there is one (the frames themselves stay in the child: no second traceback)."""
     frames = traceback.extract_tb(error.__traceback__)

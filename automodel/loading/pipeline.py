@@ -13,7 +13,6 @@ collective, so a failure is raised everywhere with its own exception class inste
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,19 +30,11 @@ from .initialization import non_persistent_buffer_names
 from .loader import CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
 from .pipeline_stages import load_pipeline_stages
 from .quantized import QuantizationScheme
-from .sharded_loader import LoadReport
+from .sharded_loader import Loaded
 
 __all__ = ["Loaded", "build_on_every_rank", "load_parallelized", "transformers_model"]
 
 Prepare = Callable[[nn.Module, CheckpointPlan | None], None]
-
-
-@dataclass
-class Loaded:
-    """A parallelized, filled model (Megatron-FSDP's wrapper around it, under that strategy) and what its load did."""
-
-    model: nn.Module
-    report: LoadReport
 
 
 def build_on_every_rank(build: Callable[[], nn.Module], what: str) -> nn.Module:

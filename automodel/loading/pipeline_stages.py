@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,10 +22,7 @@ from .agreement import agree_or_raise
 from .fill import fill_from_weights, initialize_all
 from .initialization import non_persistent_buffer_names
 from .loader import CheckpointPlan, load_checkpoint, materialize
-from .sharded_loader import LoadReport, state_tensors
-
-if TYPE_CHECKING:
-    from .pipeline import Loaded
+from .sharded_loader import Loaded, LoadReport, state_tensors
 
 __all__ = [
     "StageSplit",
@@ -49,8 +45,6 @@ def load_pipeline_stages(
     progress: bool,
 ) -> Loaded:
     """``model`` (on meta, checked against the checkpoint ``plan`` as a whole) as this rank's filled stages."""
-    from automodel.loading.pipeline import Loaded  # the loading pipeline's result type (it imports this module)
-
     layout = context.pipeline
     split = split_into_stages(model, context)
     aliases = tied_aliases(model)

@@ -17,7 +17,15 @@ from .placements import local_indices
 from .reader import parallel_reads
 from .sources import Source
 
-__all__ = ["LoadReport", "count_reads", "load_into", "peak_rss_bytes", "state_tensors"]
+__all__ = ["LoadReport", "Loaded", "count_reads", "load_into", "peak_rss_bytes", "state_tensors"]
+
+
+@dataclass
+class Loaded:
+    """A parallelized, filled model (Megatron-FSDP's wrapper around it, under that strategy) and what its load did."""
+
+    model: nn.Module
+    report: LoadReport
 
 
 @dataclass

@@ -18,16 +18,14 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from .data_errors import DataError
+
 __all__ = ["DataError", "check_data", "check_jsonl", "data_files", "iter_jsonl", "record_problem", "sft_messages"]
 
 _TABLES = (".parquet", ".arrow")
 _BLOCK_BYTES = 4 << 20  # JSONL is decoded this much at a time
 _PARALLEL_BYTES = 128 << 20  # and checked by one more process per this much
 _SCAN = json.JSONDecoder().scan_once  # the C scanner behind json.loads
-
-
-class DataError(ValueError):
-    """A data file the recipe cannot train on, at one position (``file:line`` or ``file: row N``)."""
 
 
 def record_problem(record: Any, kind: str) -> str | None:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .data_check import DataError
+from .data_errors import DataError
 
 __all__ = ["check_table"]
 
