@@ -6,12 +6,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,26 +20,23 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from automodel.auto_model import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
-from automodel.distributed import FSDP2Config, MeshContext
-from automodel.distributed.context_parallel import shard_batch_for_context_parallel
+from automodel.distributed import MeshContext
 from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import log_rank_zero, progress_bars_disabled
 from automodel.loading.pipeline import transformers_model
 
-from .batches import DistributedBatchLoader, PrefetchingLoader, joined_batch
+from .batches import DistributedBatchLoader, PrefetchingLoader
 from .checkpoint import Checkpointer
 from .config import (
-    RESHARD_POLICIES,
     ConfigError,
-    LayoutSection,
     RecipeConfig,
-    pipeline_microbatches,
     validate_vision_language,
 )
 from .data import load_records, load_texts, pack_examples, tokenize_pretraining, tokenize_sft
 from .evaluation import ValidationSet
 from .export_step import export_trained
-from .loss import FusedLinearCrossEntropy, LossFunction, ModelLoss, choose_loss
+from .layout_arguments import build_mesh_context, mesh_arguments
+from .loss import choose_loss
 from .metrics import flops_per_token, model_flops_utilization
 from .optim import clip_grad_norm, make_optimizer, make_scheduler
 from .packing import check_packed_attention
@@ -49,12 +45,13 @@ from .prepared import PreparedCorpus, PreparedExamples, is_prepared
 from .prepared_reading import read_prepared, suggest_prepare_data
 from .resume import frozen_base_identity, resume_if_saved, trainer_state
 from .run_log import record_progress
+from .step import model_inputs, train_step
 from .tiny_model import write_tiny_model
 from .trackers import Trackers
 from .vlm import IMAGE_TEXT_TO_TEXT, model_kind, resolve_image_paths, tokenize_vlm_sft
 from .watchdog import HangWatchdog
 
-__all__ = ["TrainResult", "build_mesh_context", "run", "train_step"]
+__all__ = ["TrainResult", "build_mesh_context", "mesh_arguments", "model_inputs", "run", "train_step"]
 
 logger = logging.getLogger("automodel.training")
 
@@ -80,45 +77,6 @@ class Throughput:
 
     tokens_per_s: float
     mfu: float | None
-
-
-def build_mesh_context(config: RecipeConfig) -> MeshContext:
-    """The ``MeshContext`` the layout section describes (under PP with the step's microbatch count)."""
-    arguments = mesh_arguments(config.layout)
-    if config.layout.pp_size > 1:
-        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        arguments["pp_microbatches"] = pipeline_microbatches(config, world_size)
-    return MeshContext.build(**arguments)
-
-
-def mesh_arguments(layout: LayoutSection) -> dict[str, Any]:
-    """The ``MeshContext.build`` keywords of a layout section (also what ``automodel plan`` simulates)."""
-    strategy: str | FSDP2Config = layout.strategy
-    if layout.mixed_precision == "bf16" and layout.strategy != "fsdp2":
-        raise ValueError("layout.mixed_precision=bf16 is implemented with FSDP2: set layout.strategy=fsdp2.")
-    if layout.strategy == "fsdp2":
-        bf16 = layout.mixed_precision == "bf16"
-        strategy = FSDP2Config(
-            param_dtype=torch.bfloat16 if bf16 else None,
-            reduce_dtype=torch.float32 if bf16 else None,
-            reshard_after_forward=RESHARD_POLICIES[layout.reshard_after_forward],
-            prefetch=layout.prefetch,
-        )
-    arguments = {
-        "strategy": strategy,
-        "dp_replicate_size": layout.dp_replicate_size,
-        "tp_size": layout.tp_size,
-        "cp_size": layout.cp_size,
-        "ep_size": layout.ep_size,
-        "sequence_parallel": layout.sequence_parallel,
-        "activation_checkpointing": layout.activation_checkpointing,
-        "compile": layout.compile,
-    }
-    if layout.pp_size > 1:
-        arguments.update(
-            pp_size=layout.pp_size, pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.pp_virtual_stages
-        )
-    return arguments
 
 
 def _build_model(config: RecipeConfig, context: MeshContext, kind: str) -> nn.Module:
@@ -201,94 +159,6 @@ def _build_loader(config: RecipeConfig, tokenizer, context: MeshContext) -> Dist
         shuffle=shuffle,
     )
     return loader if prepared is None else PrefetchingLoader(loader)
-
-
-def _valid_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Tokens that carry loss after the causal shift."""
-    return (labels[:, 1:] != -100).sum()
-
-
-def train_step(
-    model: nn.Module,
-    micro_batches: list[dict[str, torch.Tensor]],
-    context: MeshContext,
-    loss_fn: LossFunction | None = None,
-    *,
-    grad_sync: Literal["step", "micro_batch"] = "step",
-) -> torch.Tensor:
-    """Forward and backward over this rank's micro batches; returns the step's global mean token loss.
-
-    ``loss_fn(model, inputs, num_items_in_batch)`` computes a micro batch's loss (default: the model's own; see
-    ``automodel.training.loss`` for the fused linear cross-entropy).
-
-    Each micro batch's loss is its token-loss sum divided by (the step's valid tokens over all data-parallel ranks /
-    the ranks gradients are averaged over), so the averaged gradient is the mean over every token of the global
-    batch, however tokens fall into micro batches, ranks and context-parallel shards.
-
-    ``grad_sync`` (FSDP2, ``train.grad_sync``): ``"step"`` reduces the gradients once, after the last micro batch
-    (FSDP2 then holds each unit's unsharded gradient through the accumulation); ``"micro_batch"`` after every micro
-    batch, so only the sharded gradients persist between micro batches.
-    """
-    if grad_sync not in ("step", "micro_batch"):
-        raise ValueError(f"grad_sync={grad_sync!r}: use 'step' or 'micro_batch'.")
-    device = next(model.parameters()).device
-    valid = torch.stack([_valid_targets(batch["labels"]) for batch in micro_batches]).sum().float().to(device)
-    dist.all_reduce(valid, group=context.mesh("dp").get_group())  # on the device: NCCL reduces device tensors only
-    averaged_over = context.size("dp_cp")
-    num_items = (valid / averaged_over).to(device)
-    if isinstance(model, PipelinedModel):
-        return _pipelined_train_step(model, micro_batches, context, loss_fn, num_items)
-    total = torch.zeros((), device=device)
-    # ZeRO-2 (reshard_after_forward never): the parameters stay unsharded through the accumulation, gathered once.
-    keep_unsharded = getattr(context.strategy, "reshard_after_forward", None) is False
-    for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(last or grad_sync == "micro_batch")
-            if keep_unsharded:
-                model.set_reshard_after_backward(last)
-        inputs = model_inputs(batch, context, device)
-        loss = (loss_fn or ModelLoss())(model, inputs, num_items)
-        loss.backward()
-        total += loss.detach()
-    dist.all_reduce(total, group=context.mesh("dp_cp").get_group())
-    return total / averaged_over
-
-
-def _pipelined_train_step(
-    model: PipelinedModel,
-    micro_batches: list[dict[str, torch.Tensor]],
-    context: MeshContext,
-    loss_fn: LossFunction | None,
-    num_items: torch.Tensor,
-) -> torch.Tensor:
-    """One schedule step over this rank's rows (its micro batches, concatenated: the schedule splits them into the
-    layout's microbatches); the same loss normalization as without PP."""
-    batch = joined_batch(micro_batches)
-    head_loss = loss_fn.from_head_input if isinstance(loss_fn, FusedLinearCrossEntropy) else None
-    loss = model.train_step(**batch, num_items_in_batch=num_items, head_loss=head_loss).to(num_items.device)
-    dist.all_reduce(loss, group=context.mesh("dp_cp").get_group())
-    return loss / context.size("dp_cp")
-
-
-def model_inputs(batch: dict[str, torch.Tensor], context: MeshContext, device: torch.device) -> dict:
-    """The forward arguments of a collated micro batch: this CP rank's part of it under CP, ``position_ids`` of
-    packed sequences (transformers then masks each packed example to itself), the image tensors of a
-    vision-language batch, and no KV cache (training)."""
-    if context.cp_size == 1:
-        # The ids, labels, packed positions, and a vision-language batch's image tensors and per-token inputs.
-        inputs = {key: value.to(device) for key, value in batch.items() if key != "num_tokens"}
-        return {**inputs, "use_cache": False}
-    local = shard_batch_for_context_parallel(
-        batch["input_ids"], batch["labels"], context.mesh("cp"), batch.get("position_ids")
-    )
-    return {
-        "input_ids": local["input_ids"].to(device),
-        "position_ids": local["position_ids"].to(device),
-        "labels": local["shift_labels"].to(device),
-        "shift_labels": local["shift_labels"].to(device),
-        "use_cache": False,
-    }
 
 
 def prepare_model(config: RecipeConfig) -> None:
