@@ -202,10 +202,11 @@ class MemoryModel:
         worst = None
         for index, share in enumerate(shares):
             figures = by_kind[share.kind]
+            trained = self.training.trainable  # the plan trains every parameter; LoRA's base is frozen
             parts = MemoryParts(
                 params=figures["padded_param_bytes"],
-                grads=figures["grad_bytes"],
-                optimizer=figures["optimizer_bytes"],
+                grads=figures["grad_bytes"] if trained else 0,
+                optimizer=figures["optimizer_bytes"] if trained else 0,
                 gathers=2 * figures["largest_gather_bytes"],
                 activations=self.activations(candidate, index),
                 held=self.held(candidate, share),

@@ -12,7 +12,7 @@ from .hardware import Hardware
 from .memory import MemoryParts
 from .model_facts import ModelFacts
 
-__all__ = ["Suggestion", "Suggestions"]
+__all__ = ["Suggestion", "Suggestions", "describe_memory", "format_bytes"]
 
 #: Said under every table and in every JSON answer: what the step times are.
 TIME_NOTE = (
@@ -130,8 +130,8 @@ class Suggestions:
         """Why nothing fits (``None`` when something does)."""
         if self.ok:
             return None
-        where = f"{self.job.world_size} ranks of {_gib(self.hardware.memory_bytes)}"
-        budget = f"{_gib(self.usable_bytes)} usable with {self.headroom:.0%} headroom"
+        where = f"{self.job.world_size} ranks of {format_bytes(self.hardware.memory_bytes)}"
+        budget = f"{format_bytes(self.usable_bytes)} usable with {self.headroom:.0%} headroom"
         if self.least is None:
             rules = "; ".join(list(self.rejections)[:6])
             return f"no layout of {self.facts.name} on {self.job.world_size} ranks passes the size rules: {rules}."
@@ -139,7 +139,7 @@ class Suggestions:
         if bound.peak > self.usable_bytes:
             text = (
                 f"no layout of {self.facts.name} fits {where} ({budget}): the least memory any layout needs is "
-                f"{_gib(bound.peak)} per rank ({candidate.describe()}: {_parts(bound)})."
+                f"{format_bytes(bound.peak)} per rank ({candidate.describe()}: {describe_memory(bound)})."
             )
         else:
             refused = "; ".join(f"{layout}: {error}" for error, layout in list(self.refusals.items())[:3])
@@ -179,9 +179,9 @@ class Suggestions:
         """A readable report: the job, what was searched, one block per suggested layout."""
         job, hardware = self.job, self.hardware
         head = [
-            f"suggest: {self.facts.name} ({self.facts.total / 1e9:.2f} B parameters) on {job.world_size} ranks "
+            f"suggest: {self.facts.name} ({_count(self.facts.total)} parameters) on {job.world_size} ranks "
             f"({job.world_size / job.nproc_per_node:g} nodes of {job.nproc_per_node}), {hardware.name} "
-            f"{_gib(hardware.memory_bytes)} ({_gib(self.usable_bytes)} usable), seq_len {job.seq_len}, "
+            f"{format_bytes(hardware.memory_bytes)} ({format_bytes(self.usable_bytes)} usable), seq_len {job.seq_len}, "
             f"{job.sequences} sequences per step",
             self._searched(),
         ]
@@ -194,8 +194,8 @@ class Suggestions:
             lines += [
                 "",
                 f"{index}. {suggestion.candidate.describe()}",
-                f"   peak {_gib(memory.peak)} per rank (rank {memory.rank}), margin "
-                f"{_gib(self.usable_bytes - memory.peak)}: {_parts(memory)}",
+                f"   peak {format_bytes(memory.peak)} per rank (rank {memory.rank}), margin "
+                f"{format_bytes(self.usable_bytes - memory.peak)}: {describe_memory(memory)}",
                 f"   step ~{_seconds(suggestion.step_seconds)} (estimate): {suggestion.why(best)}",
                 "   " + " ".join(suggestion.candidate.recipe_overrides(job)),
             ]
@@ -212,7 +212,8 @@ class Suggestions:
         return text + (f"; stopped after {counts.get('planned', 0)} plans" if self.stopped_early else "")
 
 
-def _parts(memory: MemoryParts) -> str:
+def describe_memory(memory: MemoryParts) -> str:
+    """``params 1.2 GiB, grads ..., activations ...``: the parts of a peak that are not zero."""
     parts = [
         ("params", memory.params),
         ("grads", memory.grads),
@@ -221,12 +222,17 @@ def _parts(memory: MemoryParts) -> str:
         ("activations", memory.activations),
         ("held unsharded", memory.held),
     ]
-    return ", ".join(f"{label} {_gib(value)}" for label, value in parts if value)
+    return ", ".join(f"{label} {format_bytes(value)}" for label, value in parts if value)
 
 
-def _gib(value: float) -> str:
+def format_bytes(value: float) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
     return f"{value / 2**30:.2f} GiB" if abs(value) >= 2**30 else f"{value / 2**20:.1f} MiB"
 
 
 def _seconds(value: float) -> str:
     return f"{value:.3g} s" if value >= 0.01 else f"{value * 1000:.2g} ms"
+
+
+def _count(number: int) -> str:
+    return f"{number / 1e9:.2f} B" if number >= 1e9 else f"{number / 1e6:.2f} M"

@@ -31,7 +31,7 @@ from .memory import HEADROOM, MemoryModel, MemoryParts, Training, usable_bytes
 from .model_facts import ModelFacts, model_facts
 from .report import Suggestion, Suggestions
 
-__all__ = ["DEFAULT_SEQ_LEN", "MAX_PLANS", "suggest", "training_setup"]
+__all__ = ["DEFAULT_SEQ_LEN", "MAX_PLANS", "LayoutMemory", "layout_memory", "suggest", "training_setup"]
 
 #: Sequence length when none is given (torchtitan's Llama 3 configs train on 8,192 tokens).
 DEFAULT_SEQ_LEN = 8192
@@ -247,6 +247,52 @@ def suggest(
         seconds=time.perf_counter() - start,
         stopped_early=search.counts.get("planned", 0) > MAX_PLANS and len(found) < top,
     )
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    """One given layout's verdict: ``error`` (the real run's refusal, or ``None``), its worst rank's ``memory``
+    (``None`` when refused) and what it may use (``usable_bytes``)."""
+
+    error: str | None
+    memory: MemoryParts | None
+    usable_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        """Accepted by the real run, and its peak within the usable memory."""
+        return self.error is None and self.memory is not None and self.memory.peak <= self.usable_bytes
+
+
+def layout_memory(
+    model: str | os.PathLike,
+    candidate: Candidate,
+    *,
+    seq_len: int,
+    memory_bytes: int,
+    layout: Mapping[str, Any] | None = None,
+    dtype: str | torch.dtype = "bf16",
+    optimizer: str = "adamw",
+    trainable: bool = True,
+    headroom: float = HEADROOM,
+    trust_remote_code: bool = False,
+) -> LayoutMemory:
+    """The exact per-rank peak of ``candidate`` (one layout with its micro batch) for ``model``: the real plan of
+    the first rank of each kind of pipeline stage group, plus the activation estimate and what a step holds
+    unsharded, against ``memory_bytes`` less ``headroom`` (what ``automodel sft`` checks before launch)."""
+    base = {key: value for key, value in dict(layout or {}).items() if key not in PINNABLE}
+    facts = _facts(model, trust_remote_code, dtype)
+    training = training_setup(base, dtype, optimizer, trainable)
+    search = _Search(
+        str(model), facts, GPUS["h100"], base, {}, dtype, optimizer, trust_remote_code, training,
+        usable_bytes(memory_bytes, headroom), workers=1, memory=MemoryModel(facts, training, seq_len),
+    )  # fmt: skip
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        result = search.plan_figures(candidate, pool).result()
+    if not result.ok:
+        return LayoutMemory(result.error, None, search.usable)
+    statics = {rank.rank // candidate.stage_world: rank.to_dict() for rank in result.ranks}
+    return LayoutMemory(None, search.memory.exact(candidate, statics), search.usable)
 
 
 def _facts(model, trust_remote_code: bool, dtype) -> ModelFacts:
