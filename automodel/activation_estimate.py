@@ -12,11 +12,18 @@ from transformers import PretrainedConfig
 
 __all__ = ["activation_bytes", "mlp_width"]
 
-#: Activation elements kept per token and layer, in units of the hidden size (attention: its norm, the q / k / v
-#: projections' inputs and outputs, the attention output and the output projection's input) ...
+#: Activation elements kept per token and layer, in units of the hidden size, by attention and the parts around it:
+#: the two norms' inputs, normalized values and outputs (6), the attention's q / k / v outputs, its output and the
+#: output projection's input (4). Measured on CPU (``tests/test_suggest.py``): 10 H + 4 I is within 2% of the memory
+#: a step of a Llama keeps without checkpointing.
 ATTENTION_TERMS = 10
-#: ... and of the MLP's width (gate, up, the activation and their product).
+#: Of those, the norms' (6 H): what sequence parallelism splits over the TP ranks, and what full activation
+#: checkpointing of the attention and MLP submodules keeps (the norms sit outside them).
+NORM_TERMS = 6
+#: The MLP's, in units of its width: gate, up, the activation and their product. TP splits them; selective
+#: checkpointing recomputes the activation and the product (2), keeping the matmul outputs.
 MLP_TERMS = 4
+SELECTIVE_RECOMPUTED_MLP_TERMS = 2
 #: Bytes per logit: the model's loss upcasts the logits to fp32.
 LOGIT_BYTES = 4
 
@@ -49,22 +56,25 @@ def activation_bytes(
     """Activation bytes one rank keeps for backward.
 
     Per token of the rank's sequence (``seq_len / cp``) and per decoder layer, in the compute dtype
-    (``element_size`` bytes): ``10 H`` for attention and ``4 I`` for the MLP (:func:`mlp_width`); TP divides the
-    ``I`` terms and, with sequence parallelism, the ``H`` terms. Full activation checkpointing keeps each layer's
-    input (``H``) plus one layer's activations while it is recomputed; selective keeps the matmul outputs (about
-    half). ``layers`` (default: all of the model's) are the rank's decoder layers, ``in_flight`` the micro batches
-    whose activations it holds at once (a pipeline rank's in-flight microbatches), ``logits_kept`` the micro batches
-    whose logits it holds, in fp32 (``V / tp`` per token).
+    (``element_size`` bytes): ``10 H`` for attention and the norms around it (6 of them the norms', which sequence
+    parallelism splits over the TP ranks) and ``4 I`` for the MLP (:func:`mlp_width`; TP splits them). Full
+    activation checkpointing (of each layer's attention and MLP) keeps the norms' ``6 H``; selective checkpointing
+    keeps all but the MLP's activation and product (``2 I``); both hold one layer's whole activations while it is
+    recomputed. ``layers`` (default: all of the model's) are the rank's decoder layers, ``in_flight`` the micro
+    batches whose activations it holds at once (a pipeline rank's in-flight microbatches), ``logits_kept`` the micro
+    batches whose logits it holds, in fp32 (``V / tp`` per token).
     """
     hidden = text.hidden_size
     layers = text.num_hidden_layers if layers is None else layers
     tokens = micro_batch_size * -(-seq_len // cp_size)
-    hidden_terms = ATTENTION_TERMS * hidden / (tp_size if sequence_parallel else 1)
-    per_layer = tokens * element_size * (hidden_terms + MLP_TERMS * mlp_width(text) / tp_size)
+    width = mlp_width(text) / tp_size
+    norms = NORM_TERMS * hidden / (tp_size if sequence_parallel else 1)
+    per_layer = tokens * element_size * (norms + (ATTENTION_TERMS - NORM_TERMS) * hidden + MLP_TERMS * width)
     if activation_checkpointing in (True, "full"):
-        kept = in_flight * layers * tokens * element_size * hidden + per_layer
+        kept = in_flight * layers * tokens * element_size * norms + per_layer
     elif activation_checkpointing == "selective":
-        kept = in_flight * layers * per_layer / 2
+        recomputed = tokens * element_size * SELECTIVE_RECOMPUTED_MLP_TERMS * width
+        kept = in_flight * layers * (per_layer - recomputed) + per_layer
     else:
         kept = in_flight * layers * per_layer
     logits = logits_kept * tokens * LOGIT_BYTES * text.vocab_size / tp_size

@@ -239,25 +239,37 @@ def enumerate_candidates(
 
 
 def _allowed(key: str, values: list, pins: dict[str, Any]) -> list:
+    """``values``, or the pinned value alone (whether or not it is among them: the rules then say why not)."""
     if key not in pins:
         return values
     pinned = pins[key]
-    if key == "activation_checkpointing" and pinned is True:
-        pinned = "full"
-    return [pinned] if pinned in values or key == "micro_batch_size" else []
+    return ["full" if key == "activation_checkpointing" and pinned is True else pinned]
+
+
+def _divides(key: str, size: Any, ranks: int, what: str, rejected: Rejections) -> bool:
+    if isinstance(size, int) and size >= 1 and ranks % size == 0:
+        return True
+    rejected.add(f"{key}={size}: does not divide the {ranks} {what}")
+    return False
 
 
 def _walk(facts: ModelFacts, job: Job, pins: dict[str, Any], rejected: Rejections) -> Iterator[Candidate]:
     world, node = job.world_size, job.nproc_per_node
     for pp in _allowed("pp_size", _divisors(world), pins):
+        if not _divides("pp_size", pp, world, "ranks", rejected):
+            continue
         if pp > 1 and (why := _pipeline_rule(facts, pp)):
             rejected.add(why)
             continue
         for tp in _allowed("tp_size", _divisors(world // pp), pins):
+            if not _divides("tp_size", tp, world // pp, "ranks of a pipeline stage group", rejected):
+                continue
             if why := _tp_rule(facts, tp, node):
                 rejected.add(why)
                 continue
             for cp in _allowed("cp_size", _divisors(world // (pp * tp)), pins):
+                if not _divides("cp_size", cp, world // (pp * tp), "ranks left by pp_size x tp_size", rejected):
+                    continue
                 if why := _cp_rule(job.seq_len, cp, pp):
                     rejected.add(why)
                     continue
@@ -267,6 +279,8 @@ def _walk(facts: ModelFacts, job: Job, pins: dict[str, Any], rejected: Rejection
 def _replicas(facts, job, pins, rejected, pp: int, tp: int, cp: int) -> Iterator[Candidate]:
     stage_world = job.world_size // pp
     for replicas in _allowed("dp_replicate_size", _divisors(stage_world // (tp * cp)), pins):
+        if not _divides("dp_replicate_size", replicas, stage_world // (tp * cp), "data-parallel ranks", rejected):
+            continue
         if replicas > 1 and (stage_world // replicas) % job.nproc_per_node:
             rejected.add(
                 f"dp_replicate_size={replicas}: an HSDP replica of {stage_world // replicas} ranks is not whole nodes "
@@ -274,8 +288,10 @@ def _replicas(facts, job, pins, rejected, pp: int, tp: int, cp: int) -> Iterator
             )
             continue
         shard = stage_world // (replicas * tp * cp)
-        experts = [1, *_divisors(shard * cp * tp)[1:]] if facts.experts else [1]
-        for ep in _allowed("ep_size", experts, pins) or _pinned_ep(facts, pins, rejected):
+        replica = shard * cp * tp
+        for ep in _allowed("ep_size", [1, *_divisors(replica)[1:]] if facts.experts else [1], pins):
+            if not _divides("ep_size", ep, replica, "ranks of a data-parallel replica (dp_shard x cp x tp)", rejected):
+                continue
             if ep > 1 and (why := _ep_rule(facts, ep, tp)):
                 rejected.add(why)
                 continue
@@ -289,12 +305,6 @@ def _replicas(facts, job, pins, rejected, pp: int, tp: int, cp: int) -> Iterator
             for schedule, virtual in _schedules(facts, pp, pins, rejected):
                 sizes = (pp, replicas, shard, cp, tp, ep, schedule, virtual)
                 yield from _modifiers(job, pins, rejected, sizes)
-
-
-def _pinned_ep(facts: ModelFacts, pins, rejected: Rejections) -> list[int]:
-    if not facts.experts and pins.get("ep_size", 1) > 1:
-        rejected.add(f"ep_size={pins['ep_size']}: {facts.name} has no routed experts in an expert-parallel plan")
-    return []
 
 
 def _schedules(facts: ModelFacts, pp: int, pins, rejected: Rejections) -> Iterator[tuple[str, int]]:
@@ -316,7 +326,7 @@ def _modifiers(job: Job, pins, rejected: Rejections, sizes: tuple) -> Iterator[C
     pp, replicas, shard, cp, tp, ep, schedule, virtual = sizes
     rows = job.sequences // (replicas * shard)
     for micro in _allowed("micro_batch_size", _divisors(rows), pins):
-        if rows % micro:
+        if not isinstance(micro, int) or micro < 1 or rows % micro:
             rejected.add(f"micro_batch_size={micro} does not divide the {rows} sequences per data-parallel rank")
             continue
         accumulation = rows // micro
@@ -325,7 +335,13 @@ def _modifiers(job: Job, pins, rejected: Rejections, sizes: tuple) -> Iterator[C
             continue
         syncs = ("step", "micro_batch") if pp == 1 and accumulation > 1 else ("step",)
         for mode in _allowed("activation_checkpointing", list(ACTIVATION_CHECKPOINTING), pins):
+            if mode not in ACTIVATION_CHECKPOINTING:
+                rejected.add(f"activation_checkpointing={mode!r}: not a mode (False, 'selective', 'full')")
+                continue
             for sequence_parallel in _allowed("sequence_parallel", [True, False] if tp > 1 else [False], pins):
+                if sequence_parallel and tp == 1:
+                    rejected.add("sequence_parallel=true: it shards activations over TP ranks, and tp_size=1")
+                    continue
                 for grad_sync in syncs:
                     yield Candidate(
                         pp, replicas, shard, cp, tp, ep, sequence_parallel, mode, schedule, virtual, micro,

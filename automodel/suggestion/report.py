@@ -226,8 +226,10 @@ def describe_memory(memory: MemoryParts) -> str:
 
 
 def format_bytes(value: float) -> str:
-    """Bytes in GiB, or MiB below one GiB."""
-    return f"{value / 2**30:.2f} GiB" if abs(value) >= 2**30 else f"{value / 2**20:.1f} MiB"
+    """Bytes in GiB, MiB below one GiB, KiB below one MiB."""
+    if abs(value) >= 2**30:
+        return f"{value / 2**30:.2f} GiB"
+    return f"{value / 2**20:.1f} MiB" if abs(value) >= 2**20 else f"{value / 2**10:.1f} KiB"
 
 
 def _seconds(value: float) -> str:

@@ -31,7 +31,7 @@ from .memory import HEADROOM, MemoryModel, MemoryParts, Training, usable_bytes
 from .model_facts import ModelFacts, model_facts
 from .report import Suggestion, Suggestions
 
-__all__ = ["DEFAULT_SEQ_LEN", "MAX_PLANS", "LayoutMemory", "layout_memory", "suggest", "training_setup"]
+__all__ = ["DEFAULT_SEQ_LEN", "MAX_PLANS", "LayoutMemory", "layout_memory", "load_facts", "suggest", "training_setup"]
 
 #: Sequence length when none is given (torchtitan's Llama 3 configs train on 8,192 tokens).
 DEFAULT_SEQ_LEN = 8192
@@ -216,7 +216,7 @@ def suggest(
     base = {key: value for key, value in dict(layout or {}).items() if key not in PINNABLE}
     if getattr(base.get("strategy", "fsdp2"), "name", base.get("strategy", "fsdp2")) != "fsdp2":
         raise ValueError("The layout search runs FSDP2 layouts: set layout.strategy=fsdp2 (the default).")
-    facts = _facts(model, trust_remote_code, dtype)
+    facts = load_facts(model, trust_remote_code, dtype)
     search = _Search(
         str(model), facts, hardware, base, pins, dtype, optimizer, trust_remote_code,
         training_setup(base, dtype, optimizer, trainable), usable_bytes(hardware.memory_bytes, headroom),
@@ -281,7 +281,7 @@ def layout_memory(
     the first rank of each kind of pipeline stage group, plus the activation estimate and what a step holds
     unsharded, against ``memory_bytes`` less ``headroom`` (what ``automodel sft`` checks before launch)."""
     base = {key: value for key, value in dict(layout or {}).items() if key not in PINNABLE}
-    facts = _facts(model, trust_remote_code, dtype)
+    facts = load_facts(model, trust_remote_code, dtype)
     training = training_setup(base, dtype, optimizer, trainable)
     search = _Search(
         str(model), facts, GPUS["h100"], base, {}, dtype, optimizer, trust_remote_code, training,
@@ -295,7 +295,8 @@ def layout_memory(
     return LayoutMemory(None, search.memory.exact(candidate, statics), search.usable)
 
 
-def _facts(model, trust_remote_code: bool, dtype) -> ModelFacts:
+def load_facts(model: str | os.PathLike, trust_remote_code: bool, dtype: str | torch.dtype) -> ModelFacts:
+    """The :class:`ModelFacts` of ``model`` (a local folder or a hub id: its config), built on the meta device."""
     from automodel.planning import _DTYPES, _Target
 
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
