@@ -123,7 +123,7 @@ class CostModel:
             pp=count * step.pp,
             bubble=bubble,
             fsdp=fsdp,
-            fsdp_exposed=max(0.0, fsdp - computing),
+            fsdp_exposed=max(0.0, fsdp - computing) if self.hardware.overlaps_communication else fsdp,
             optimizer=self._optimizer(candidate, share),
             links=self._links(candidate),
         )

@@ -19,7 +19,8 @@ GB = 10**9
 @dataclass(frozen=True)
 class Hardware:
     """One GPU's memory (bytes), its dense bf16 peak (FLOP/s) and HBM bandwidth (bytes/s), the link bandwidth one way
-    per GPU within a node (NVLink) and across nodes (the GPU's network link), in Gbit/s, and GPUs per node."""
+    per GPU within a node (NVLink) and across nodes (the GPU's network link), in Gbit/s, GPUs per node, and whether
+    communication overlaps compute."""
 
     name: str
     memory_bytes: int
@@ -28,6 +29,9 @@ class Hardware:
     intra_node_gbps: float
     inter_node_gbps: float
     nproc_per_node: int = 8
+    #: Whether collectives run beside compute (GPUs: NCCL's kernels and copy engines while FSDP2 prefetches; CPU
+    #: gloo: no, its collectives run on the cores that compute).
+    overlaps_communication: bool = True
 
     def with_options(
         self,
