@@ -201,9 +201,9 @@ def suggest(
     ``global_batch_tokens`` defaults to one sequence of ``seq_len`` per rank. When nothing fits, the result says why
     and the smallest world size (in whole nodes) where something does."""
     start = time.perf_counter()
-    hardware = GPUS[gpu] if isinstance(gpu, str) else gpu
     if isinstance(gpu, str) and gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r}: choose one of {sorted(GPUS)}, or give gpu_memory.")
+    hardware = GPUS[gpu] if isinstance(gpu, str) else gpu
     hardware = hardware.with_options(
         memory_bytes=gpu_memory,
         intra_node_gbps=intra_node_gbps,
