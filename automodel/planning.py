@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .planning_processes import SimulationError, one_line, simulate_elsewhere, start_helper
 from .planning_simulation import (
+    DTYPES,
     OPTIMIZER_STATE_BYTES,
     RankPlan,
     Request,
@@ -40,7 +41,6 @@ __all__ = ["Plan", "RankPlan", "SimulationError", "layout_refusal", "plan"]
 
 #: What a simulating child runs (``planning_processes.simulate_elsewhere``).
 _SIMULATION = "automodel.planning_simulation:simulate_here"
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def plan(
     seq_len: int | None = None,
     optimizer: str = "adamw",
     trust_remote_code: bool = False,
+    first_rank_here: bool = False,
 ) -> Plan:
     """Plan ``model`` (a local checkpoint folder or a hub id: its config, and the safetensors headers where the
     files are present) on ``world_size`` ranks with ``layout`` (the keyword arguments of ``MeshContext.build``:
@@ -96,22 +97,24 @@ def plan(
     ``activation_checkpointing`` ...). ``ranks`` picks the simulated ranks (default: a representative set).
 
     Each simulated rank runs in a fresh child process under torch's fake process group (up to 4 at a time), so
-    this works from any process, one that runs a real process group included.
+    this works from any process, one that runs a real process group included. ``first_rank_here``: rank 0 runs in
+    this process instead, beside the helper's start (seconds sooner): for a process that plans once and runs no
+    process group and no other plan meanwhile (the ``automodel`` command), as one process is one simulated rank.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZER_STATE_BYTES)}.")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
-    torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype))
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(str(dtype))
     if torch_dtype is None:
-        raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPES)}.")
+        raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)}.")
     request = Request(
         str(model), world_size, dict(layout or {}), torch_dtype, micro_batch_size, seq_len, optimizer, trust_remote_code
     )
     Target.config_of(request.model, trust_remote_code)  # a model that cannot be resolved: its one line, here
     start_helper(_SIMULATION)  # its imports run beside the first rank's simulation
     first_rank = ranks[0] if ranks else 0
-    if first_rank == 0 and not (dist.is_available() and dist.is_initialized()):
+    if first_rank_here and first_rank == 0 and not (dist.is_available() and dist.is_initialized()):
         # Rank 0 in this process, as layout_refusal does (always rank 0 here: one process is one simulated rank).
         try:
             first = simulate_in_this_process(request, classes=not ranks)
@@ -176,7 +179,7 @@ def layout_refusal(
     ranks' figures. In this process when it runs no process group (the ``automodel`` command before it starts
     torchrun: no helper process to start, a second or two for a model of any size), else in a forked child.
     """
-    torch_dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES[str(dtype)]
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else DTYPES[str(dtype)]
     request = Request(str(model), world_size, dict(layout or {}), torch_dtype, None, None, "adamw", trust_remote_code)
     if dist.is_available() and dist.is_initialized():
         return simulate_elsewhere(_SIMULATION, request, 0, classes=False)["error"]

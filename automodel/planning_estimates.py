@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from automodel._compat.torch import fsdp_sizes
+from automodel.activation_estimate import activation_bytes
 from automodel.distributed import MeshContext
 from automodel.loading.initialization import local_view
 
@@ -32,51 +33,29 @@ def activation_estimate(
     dtype: torch.dtype,
     stages: Any = None,
 ) -> int | None:
-    """Activation bytes kept for backward by one micro batch (``docs/plan.md``: the formula and what it leaves out);
-    under PP, by the microbatches in flight on this rank, over its stages' layers (the logits on the last stage's
-    rank: one microbatch's, or every microbatch's under GPipe, which runs all forwards first).
-
-    Per token of this rank's sequence (``seq_len / cp``) and per layer, in the compute dtype: about ``10 H`` for
-    attention (norm, q / k / v inputs and outputs, scores' output, output projection) and ``4 I`` for the MLP (gate,
-    up, activation, product), with ``I`` the active experts' width for a MoE; TP divides the ``I`` terms and, with
-    sequence parallelism, the ``H`` terms. Full activation checkpointing keeps each layer's input (``H``) plus one
-    layer's activations during its recomputation; selective keeps the matmul outputs (about half). The logits of the
-    micro batch are added in fp32 (``V / tp`` per token).
-    """
+    """Activation bytes kept for backward by one micro batch (:func:`automodel.activation_estimate.activation_bytes`;
+    ``docs/plan.md``), in the compute dtype (FSDP2's mixed-precision ``param_dtype``, else the load dtype); under PP,
+    over the rank's stages' layers and its microbatches in flight, the logits on the last stage's rank (one
+    microbatch's, or every microbatch's under GPipe, which runs all forwards first)."""
     if micro_batch_size is None or seq_len is None:
         return None
-    text = config.get_text_config()
-    hidden = text.hidden_size
-    layers = text.num_hidden_layers
-    width = _mlp_width(text)
-    tp, cp = context.tp_size, context.cp_size
-    compute = getattr(context.strategy, "param_dtype", None) or dtype  # FSDP2 mixed precision computes in param_dtype
-    element = torch.tensor([], dtype=compute).element_size()
-    tokens = micro_batch_size * -(-seq_len // cp)
-    hidden_terms = 10 * hidden / (tp if context.sequence_parallel else 1)
-    per_layer = tokens * element * (hidden_terms + 4 * width / tp)
-    mode = context.activation_checkpointing
-    in_flight, logits_kept = 1.0, 1
+    compute = getattr(context.strategy, "param_dtype", None) or dtype
+    layers, in_flight, logits_kept = None, 1.0, 1
     if stages is not None:
         layout = context.pipeline
         layers, in_flight = stages.local_layers(context), layout.in_flight()
-        logits_kept = 0
-        if layout.num_stages - 1 in layout.local_stages:
-            logits_kept = layout.microbatches if layout.schedule == "gpipe" else 1
-    if mode == "full":
-        kept = in_flight * layers * tokens * element * hidden + per_layer
-    elif mode == "selective":
-        kept = in_flight * layers * per_layer / 2
-    else:
-        kept = in_flight * layers * per_layer
-    logits = logits_kept * tokens * 4 * text.vocab_size / tp
-    return int(kept + logits)
-
-
-def _mlp_width(text: PretrainedConfig) -> int:
-    experts_per_token = getattr(text, "num_experts_per_tok", None)
-    moe_width = getattr(text, "moe_intermediate_size", None)
-    if experts_per_token and moe_width:
-        shared = getattr(text, "n_shared_experts", 0) or 0
-        return (experts_per_token + shared) * moe_width
-    return getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+        last = layout.num_stages - 1 in layout.local_stages
+        logits_kept = (layout.microbatches if layout.schedule == "gpipe" else 1) if last else 0
+    return activation_bytes(
+        config.get_text_config(),
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        tp_size=context.tp_size,
+        cp_size=context.cp_size,
+        sequence_parallel=context.sequence_parallel,
+        activation_checkpointing=context.activation_checkpointing,
+        element_size=torch.tensor([], dtype=compute).element_size(),
+        layers=layers,
+        in_flight=in_flight,
+        logits_kept=logits_kept,
+    )

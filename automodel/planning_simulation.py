@@ -31,6 +31,7 @@ from automodel.loading.sharded_loader import count_reads
 from .planning_estimates import activation_estimate, fsdp_sizes_with_unmanaged
 
 __all__ = [
+    "DTYPES",
     "OPTIMIZER_STATE_BYTES",
     "RankPlan",
     "Request",
@@ -39,6 +40,8 @@ __all__ = [
     "simulate_in_this_process",
 ]
 
+#: The load dtypes a plan takes, by name.
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 #: Optimizer state bytes per trainable local element: AdamW keeps two fp32 moments (``exp_avg``, ``exp_avg_sq``).
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import subprocess
 import sys
+import types
 from pathlib import Path
 from types import ModuleType
 
@@ -84,6 +86,8 @@ def recorded_torchrun(monkeypatch, tmp_path) -> list[list[str]]:
             return 0
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli.subprocess, "Popen", Recorded)
+    # The command's own name for the module, not subprocess.Popen itself: the layout's memory check before launch
+    # plans through a helper process it starts with the real Popen.
+    monkeypatch.setattr(cli, "subprocess", types.SimpleNamespace(Popen=Recorded, PIPE=subprocess.PIPE))
     monkeypatch.setattr("automodel.training.preemption.forward_signals", lambda pid: [])
     return launched

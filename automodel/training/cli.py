@@ -41,6 +41,7 @@ import yaml
 from .commands import COMMANDS, overview, unknown_command
 from .config import RECIPES, ConfigError, check_world_size, load_config
 from .config_help import describe_keys
+from .suggest_command import add_gpu_arguments
 
 __all__ = ["main"]
 
@@ -84,6 +85,12 @@ def _parser(recipe: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="print what each rank would hold (automodel plan, simulated in this process) and start nothing",
     )
+    parser.add_argument(
+        "--suggest-layout",
+        action="store_true",
+        help="print the fastest layouts that fit the GPU for this config's model and launch size, and start nothing",
+    )
+    add_gpu_arguments(parser)
     nodes = parser.add_argument_group("several nodes (passed to torchrun; docs/recipes.md#several-nodes)")
     nodes.add_argument("--nnodes", type=int, default=1, help="number of nodes, each running this command")
     nodes.add_argument(
@@ -145,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         from .plan_command import dry_run
 
         return dry_run(config, world_size)
+    if args.suggest_layout and not under_torchrun:
+        return _suggest_layout(args, config, world_size)
     if not under_torchrun:
         return _launch(args, config)
     return _train(config)
@@ -162,12 +171,55 @@ def _checked_before_launch(args: argparse.Namespace, config) -> bool:
         return False
     for warning in warnings:
         print(f"automodel: warning: {warning}", file=sys.stderr)
+    if not _fits_the_gpu(args, config):
+        return False
     if args.nproc_per_node is None:
         print(
             f"automodel: starting 1 process on this node (no --nproc-per-node given){_devices_hint()}",
             file=sys.stderr,
         )
     return True
+
+
+def _gpu_memory(args: argparse.Namespace) -> int | None:
+    """``--gpu-memory``, ``--gpu``'s memory, or the visible GPU's (``None`` on a machine without one)."""
+    from .suggest_command import gpu_memory_bytes
+
+    return gpu_memory_bytes(args.gpu, args.gpu_memory, visible=True)
+
+
+def _fits_the_gpu(args: argparse.Namespace, config) -> bool:
+    """The layout's estimated peak per rank against the GPU (``suggest_command.check_layout_fits``): printing the
+    refusal, with the fastest layout that fits, and returning False when it does not fit."""
+    from .suggest_command import check_layout_fits
+
+    try:
+        memory = _gpu_memory(args)
+        if memory is not None:
+            world_size = (args.nproc_per_node or 1) * args.nnodes
+            check_layout_fits(config, world_size, args.nproc_per_node or 1, memory, args.gpu or "h100")
+    except (ConfigError, ValueError) as error:
+        print(f"automodel: config error: {error}", file=sys.stderr)
+        return False
+    return True
+
+
+def _suggest_layout(args: argparse.Namespace, config, world_size: int) -> int:
+    """``automodel sft|pretrain --suggest-layout``: the table of ``automodel plan --suggest`` for the config."""
+    from .loop import prepare_model
+    from .suggest_command import suggest_for_recipe
+
+    prepare_model(config)  # the tiny smoke-test model, where model.tiny_if_missing asks for it
+    try:
+        memory = _gpu_memory(args)
+        if memory is None:
+            raise ValueError("no GPU is visible here: give --gpu-memory 80GiB or --gpu h100|h200|a100-80g|b200")
+        result = suggest_for_recipe(config, world_size, args.nproc_per_node or 1, memory, args.gpu or "h100")
+    except (ValueError, OSError) as error:
+        print(f"automodel: {error}", file=sys.stderr)
+        return 2
+    print(result.table())
+    return 0 if result.ok else 1
 
 
 def _devices_hint() -> str:

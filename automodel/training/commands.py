@@ -11,7 +11,7 @@ __all__ = ["COMMANDS", "EXIT_STATUSES", "EXIT_UPLOAD_FAILED", "overview", "unkno
 COMMANDS = {
     "sft": "fine-tune a model on chat or prompt/completion data: automodel sft --config FILE [key=value ...]",
     "pretrain": "train a model from its config on text: automodel pretrain --config FILE [key=value ...]",
-    "plan": "what each rank of a job would hold, before it starts: automodel plan --model M --world-size N",
+    "plan": "what each rank of a job would hold (or, --suggest, the fastest layouts that fit): automodel plan --model M --world-size N",
     "prepare-data": "tokenize a corpus once, for training at scale: automodel prepare-data --tokenizer T --input F ...",
     "init-config": "write a runnable example config, its data and its tiny model: automodel init-config sft|pretrain",
 }
@@ -45,7 +45,8 @@ commands:
 
 Before any process starts, `automodel sft|pretrain` checks the config (keys, values, the layout against the process
 count and the model), the model (its config is readable), the data (every record parses and has the keys the recipe
-needs), every output folder (writable), and export.push_to_hub (a valid repo name, a token, the hub reachable).
+needs), every output folder (writable), export.push_to_hub (a valid repo name, a token, the hub reachable), and,
+with --gpu-memory, --gpu or a visible GPU, the layout's estimated peak per rank against the GPU's memory.
 
 exit statuses of `automodel sft|pretrain`:
 {statuses}

@@ -4,12 +4,13 @@
                    [--micro-batch-size B --seq-len S] [--pp-microbatches M] [--optimizer adamw]
                    [layout.KEY=VALUE ...] [--json]
 
-``--nnodes K --nproc-per-node G`` may stand for ``--world-size``. The layout keys are the recipes' ``layout``
-section; the activations are estimated for the recipes' default batch (``train.micro_batch_size``, ``train.seq_len``)
-unless ``--micro-batch-size`` / ``--seq-len`` say otherwise. ``automodel sft|pretrain --config FILE --dry-run``
-prints the same plan for a recipe. The exit status is 0 when the layout fits, 1 when the real run would refuse it
-(the message is the one it would raise), 2 for bad arguments and for a model that cannot be resolved or simulated
-(one line: what failed, and the fix where there is one).
+``--nnodes K --nproc-per-node G`` may stand for ``--world-size``. ``--suggest`` prints the fastest layouts that fit
+instead (``automodel.training.suggest_command``). The layout keys are the recipes' ``layout`` section; the
+activations are estimated for the recipes' default batch (``train.micro_batch_size``, ``train.seq_len``) unless
+``--micro-batch-size`` / ``--seq-len`` say otherwise. ``automodel sft|pretrain --config FILE --dry-run`` prints the
+same plan for a recipe. The exit status is 0 when the layout fits, 1 when the real run would refuse it (the message
+is the one it would raise), 2 for bad arguments and for a model that cannot be resolved or simulated (one line: what
+failed, and the fix where there is one).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError, RecipeConfig, TrainSection, layout_from_overrides
+from .config import ConfigError, RecipeConfig, TrainSection, layout_from_overrides, parse_overrides
+from .suggest_command import add_suggest_arguments, print_suggestions
 
 __all__ = ["main", "print_plan"]
 
@@ -56,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", metavar="layout.KEY=VALUE")
+    add_suggest_arguments(parser)
     return parser
 
 
@@ -79,6 +82,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"automodel plan: {error}", file=sys.stderr)
         return 2
+    if args.suggest:
+        given = {key.partition(".")[2] for key in parse_overrides(args.overrides)}
+        return print_suggestions(args.model, world_size, args, layout, given)
     from .loop import mesh_arguments
 
     try:
@@ -110,7 +116,7 @@ def print_plan(model: str, world_size: int, layout: dict, *, as_json: bool = Fal
     from automodel.planning import SimulationError, plan
 
     try:
-        result = plan(model, world_size=world_size, layout=layout, **options)
+        result = plan(model, world_size=world_size, layout=layout, first_rank_here=True, **options)
     except (ValueError, OSError) as error:  # the model cannot be resolved or read: the loader's one line
         print(f"automodel plan: --model {model}: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
