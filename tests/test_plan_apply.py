@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -22,25 +23,33 @@ from tests.cases.hooks import RefusingParallelizer, UnitsAndPrimitiveParallelize
 from tests.cases.plan_lines import GOLDEN, LAYOUTS, meta_model, parallelize_lines, simulated_rank_zero
 from tests.tiny_models import tiny_config
 
-CASES = json.loads(GOLDEN.read_text())
+RECORDED = json.loads(GOLDEN.read_text())
+CASES = RECORDED["cases"]
+#: The reference lines hold for the versions they were recorded with (the TP plans, and so some lines, are
+#: transformers'); at another end of the tested range the plan is compared with what parallelize logs there.
+SAME_VERSIONS = (transformers.__version__, torch.__version__.split("+")[0]) == (
+    RECORDED["transformers"],
+    RECORDED["torch"],
+)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_describe_is_what_parallelize_logs_today(case):
-    """The plan's lines equal the lines recorded from the code before plan / apply, byte for byte (a refusal: the
-    same message); and ``parallelize`` still logs them."""
+    """The plan's lines equal what ``parallelize`` logs, byte for byte (a refusal: the same message); with the
+    versions the reference was recorded with, both equal the lines of the code before plan / apply."""
     architecture, layout = case.split("/")
-    expected = CASES[case]
+    logged = parallelize_lines(architecture, layout)
+    if SAME_VERSIONS:
+        assert logged == CASES[case]
     with simulated_rank_zero():
         model = meta_model(architecture)
         try:
             plan = plan_parallelization(parallelizer_for(model), model, MeshContext.build(**LAYOUTS[layout]))
         except (ValueError, NotImplementedError) as refusal:
-            assert expected == {"refused": f"{type(refusal).__name__}: {refusal}"}
+            assert logged == {"refused": f"{type(refusal).__name__}: {refusal}"}
         else:
-            assert {"lines": plan.describe()} == expected
+            assert {"lines": plan.describe()} == logged
             assert json.loads(json.dumps(plan.to_dict()))["model"] == type(model).__name__
-    assert parallelize_lines(architecture, layout) == expected
 
 
 def _snapshot(model: nn.Module) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """What ``parallelize`` says on rank 0 for the parity architectures in five layouts, in one process simulating rank 0
 of 4 under torch's fake process group (the model on meta): the lines the frozen plan's ``describe()`` must equal.
 
-``python -m tests.cases.plan_lines`` writes them to ``tests/golden/parallelize_lines.json`` (run on the code whose
-lines are the reference)."""
+``python -m tests.cases.plan_lines`` writes them to ``tests/golden/parallelize_lines.json`` with the transformers and
+torch versions they were recorded with (run on the code whose lines are the reference: the TP plans, and so some
+lines, are transformers')."""
 
 from __future__ import annotations
 
@@ -90,13 +91,16 @@ def parallelize_lines(architecture: str, layout: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    import transformers
+
     found = {
         f"{architecture}/{layout}": parallelize_lines(architecture, layout)
         for architecture in ARCHITECTURES
         for layout in LAYOUTS
     }
     GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps(found, indent=1) + "\n")
+    recorded = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0], "cases": found}
+    GOLDEN.write_text(json.dumps(recorded, indent=1) + "\n")
     print(f"{len(found)} cases written to {GOLDEN}")
 
 
