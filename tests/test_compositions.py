@@ -1,6 +1,7 @@
 """The composition sweep: every pair of 2-way mesh axes on 4 CPU ranks (FSDP2, HSDP, TP, CP, EP, PP), alone and with
 each modifier that applies (sequence parallelism, activation checkpointing, LoRA, gradient accumulation, compiled
-blocks), over a dense untied, a dense tied, a sliding-window, an MoE and a hybrid (Nemotron-H) tiny model.
+blocks), over a dense untied, a dense tied, a sliding-window, an MoE and a hybrid (Nemotron-H) tiny model; and every
+triple of the 2-way axes on 8 ranks (the modifiers on HSDP x TP x PP).
 
 Each cell has one answer: parity with plain transformers (the loss of two training steps and every trainable
 gradient within ``TOLERANCE``, fp32) or a refusal raised while the context is built or the model loaded, with the same
@@ -22,7 +23,7 @@ import pytest
 
 from tests.cases import compositions
 from tests.conftest import REPO
-from tests.harness import RankFailure
+from tests.harness import RankFailure, RankPool
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -118,15 +119,16 @@ def _check_page(table: str) -> None:
     )
 
 
-def test_every_composition_is_parity_or_a_refusal_on_every_rank(ranks4):
+def _sweep(pool: RankPool, cells: list[tuple[tuple[str, ...], str, str]]) -> dict[tuple, str]:
+    """Each cell's answer on ``pool``; fails, after every cell ran, listing the crashes, hangs and differences."""
     started = time.monotonic()
-    answers: dict[tuple[tuple[str, str], str, str], str] = {}
+    answers: dict[tuple, str] = {}
     failures: list[str] = []
-    for axes, modifier, model in cells():
+    for axes, modifier, model in cells:
         timeout = COMPILE_TIMEOUT_S if modifier == "compile" else CELL_TIMEOUT_S
         cell_started = time.monotonic()
         try:
-            results = ranks4.run(compositions.composition_cell, model, axes, modifier, timeout=timeout)
+            results = pool.run(compositions.composition_cell, model, axes, modifier, timeout=timeout)
             answer, detail = _answer(results)
         except RankFailure as error:  # a crash or a hang: the pool starts again for the next cell
             answer, detail = "FAILED", str(error)[-3000:]
@@ -137,8 +139,44 @@ def test_every_composition_is_parity_or_a_refusal_on_every_rank(ranks4):
             failures.append(f"{name}: {detail}")
     refused = sum(answer.startswith("refused") for answer in answers.values())
     print(
-        f"composition sweep: {len(answers)} cells, {len(answers) - refused - len(failures)} parity, {refused} refused, "
-        f"{len(failures)} failed, in {time.monotonic() - started:.0f} s"
+        f"composition sweep on {pool.world_size} ranks: {len(answers)} cells, "
+        f"{len(answers) - refused - len(failures)} parity, {refused} refused, {len(failures)} failed, "
+        f"in {time.monotonic() - started:.0f} s"
     )
     assert not failures, "\n\n".join(failures)
-    _check_page(_table(answers))
+    return answers
+
+
+def test_every_composition_is_parity_or_a_refusal_on_every_rank(ranks4):
+    _check_page(_table(_sweep(ranks4, cells())))
+
+
+#: Three 2-way axes on 8 ranks: every triple of HSDP, TP, CP, EP and PP (FSDP2 takes the 1 or 2 ranks left), over the
+#: five models; the modifiers on HSDP x TP x PP, where a pipeline stage runs TP inside an HSDP replica.
+THREE_WAY_MODIFIED = ("hsdp", "tp", "pp")
+
+
+def three_way_cells() -> list[tuple[tuple[str, ...], str, str]]:
+    axes = [axis for axis in compositions.AXES if axis != "fsdp2"]
+    found = [(triple, "base", model) for triple in itertools.combinations(axes, 3) for model in compositions.MODELS]
+    modifiers = [modifier for modifier in MODIFIERS if modifier not in ("base", "compile")]
+    return found + [(THREE_WAY_MODIFIED, modifier, model) for modifier in modifiers for model in compositions.MODELS]
+
+
+@pytest.fixture(scope="module")
+def ranks8():
+    pool = RankPool(8)
+    yield pool
+    pool.close()
+
+
+def test_every_three_way_composition_on_8_ranks_is_parity_or_a_refusal(ranks8):
+    answers = _sweep(ranks8, three_way_cells())
+    # Every axis of a triple is in some parity cell: the sweep is not only refusals.
+    assert {axis for (axes, _, _), answer in answers.items() if answer.startswith("parity") for axis in axes} == {
+        "hsdp",
+        "tp",
+        "cp",
+        "ep",
+        "pp",
+    }
