@@ -85,8 +85,9 @@ class Request:
 
 def refusal_in_this_process(request: Request) -> str | None:
     """Why rank 0 of ``request`` would be refused: the checkpoint check, the mesh and the pipeline split as the run
-    makes them, then the planner alone (``check_parallelization``: no TP, no ``fully_shard``); ``None`` when it
-    fits."""
+    makes them (every stage built on meta, so that a stage that cannot run is found here whichever ranks hold it),
+    then the planner alone (``check_parallelization``: no TP, no ``fully_shard``) on rank 0's stages; ``None`` when
+    it fits."""
     from automodel.distributed.pipeline_stages import build_stage
     from automodel.distributed.planner import check_parallelization
     from automodel.loading.pipeline_stages import split_into_stages
@@ -108,9 +109,10 @@ def refusal_in_this_process(request: Request) -> str | None:
                 return None
             split = split_into_stages(model, context)
             last = context.pipeline.num_stages - 1
-            for index in context.pipeline.local_stages:
+            for index in range(context.pipeline.num_stages):
                 stage = build_stage(model, split.roles, split.layers(index), first=index == 0, last=index == last)
-                check_parallelization(parallelizer, stage, context)
+                if index in context.pipeline.local_stages:
+                    check_parallelization(parallelizer, stage, context)
     except (ValueError, RuntimeError, TypeError, NotImplementedError) as error:
         return str(error)
     finally:

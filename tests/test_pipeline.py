@@ -51,6 +51,17 @@ def test_pp2_matches_plain_transformers(ranks2, model_type, tie, schedule):
     assert [result["stages"] for result in results] == expected
 
 
+#: Models whose stages needed more than the Llama-likes: BioGPT and CTRL declare no `_no_split_modules` (a stage's
+#: blocks are its own layers, not the stand-ins), CTRL scales its `inputs_embeds` in place (a later stage passes a
+#: detached copy of the received activation), RemBERT's embeddings are narrower than its layers (zeros of the
+#: embeddings' shape).
+@pytest.mark.parametrize("model_type", ["biogpt", "ctrl", "rembert"])
+def test_pp2_of_models_without_declared_blocks_or_with_narrow_embeddings(ranks2, model_type):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b"}
+    for result in ranks2.run(pipeline.pipeline_parity, model_type, layout, None):
+        _check(result)
+
+
 @pytest.mark.parametrize("inner", [{"dp_replicate_size": 1}, {"tp_size": 2}], ids=["pp2_fsdp2", "pp2_tp2"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_pp2_composes_with_fsdp2_and_tp_on_4_ranks(ranks4, model_type, inner):

@@ -17,9 +17,10 @@ __all__ = ["FakeScalars", "eager_experts", "fake_data_dependent", "meta_forward"
 _aten = torch.ops.aten
 
 
-def meta_twin(model: nn.Module) -> nn.Module:
-    """A deep copy whose parameters and buffers are meta tensors of the same shapes (no memory, no data copied)."""
-    memo: dict[int, Any] = {}
+def meta_twin(model: nn.Module, shared: tuple[object, ...] = ()) -> nn.Module:
+    """A deep copy whose parameters and buffers are meta tensors of the same shapes (no memory, no data copied); the
+    objects in ``shared`` are referenced, not copied."""
+    memo: dict[int, Any] = {id(thing): thing for thing in shared}
     for tensor in [*model.parameters(), *model.buffers()]:
         empty = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty

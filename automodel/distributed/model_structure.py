@@ -95,13 +95,16 @@ def _lift_into_repeated_blocks(model: nn.Module, declared: list[nn.Module]) -> l
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The members of every ``nn.ModuleList`` whose children are all of one class, each holding parameters and
-    submodules of its own (a block, not a bare layer), outermost only, in module order."""
+    submodules of its own (a block, not a bare layer), outermost only, in module order.
+
+    A pipeline stage's stand-ins for the layers other stages run (``absent_from_stage``) are not members: the stage's
+    own layers are its blocks."""
     blocks: list[nn.Module] = []
     for module in model.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        if not isinstance(module, nn.ModuleList):
             continue
-        children = list(module)
-        if len({type(child) for child in children}) != 1:
+        children = [child for child in module if not getattr(child, "absent_from_stage", False)]
+        if not children or len({type(child) for child in children}) != 1:
             continue
         if all(_is_block(child) for child in children):
             blocks.extend(children)

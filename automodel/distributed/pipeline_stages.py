@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from automodel._compat.transformers import ForCausalLMLoss
 
 from .meta_trace import FakeScalars, eager_experts, meta_forward, meta_twin
 from .model_structure import decoder_layers, encoder_tower_blocks
+from .pipeline_checks import check_stage_runs
 
 __all__ = [
     "PIPELINE_STAGE_ATTRIBUTE",
@@ -59,13 +61,17 @@ class PipelineRoles:
     """Where a model's parts go: its decoder layers (names, in order, in one ``ModuleList``), the modules with
     parameters that run before them (inputs, first stage) and after them (outputs, last stage), the modules the
     causal forward never runs (first stage), and whether a decoder layer returns a tuple (``(hidden_states, ...)``)
-    or the hidden states alone."""
+    or the hidden states alone; from the meta trace (one sequence of ``_TRACE_LENGTH`` tokens), the shape and dtype of
+    the activation stages hand on and the shape of the input embeddings' output."""
 
     layers: tuple[str, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     unused: tuple[str, ...]
     layer_output_length: int | None  # None: a tensor; n: a tuple of n
+    activation_shape: tuple[int, ...] = ()
+    activation_dtype: torch.dtype = torch.float32
+    embedding_shape: tuple[int, ...] | None = None  # None: no input embeddings found in the trace
 
     @property
     def num_layers(self) -> int:
@@ -144,7 +150,19 @@ def pipeline_roles(model: nn.Module) -> PipelineRoles:
             f"{name} cannot be split into pipeline stages: its decoder layer {layers[0]} returns a "
             f"{type(sample).__name__}, not the hidden states or a tuple starting with them. Use pp_size=1."
         )
-    return PipelineRoles(tuple(layers), _outermost(inputs), _outermost(outs), _outermost(unused), length)
+    activation = sample[0] if isinstance(sample, tuple) else sample
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedded = outputs.get(module_names.get(embeddings, ""))
+    return PipelineRoles(
+        tuple(layers),
+        _outermost(inputs),
+        _outermost(outs),
+        _outermost(unused),
+        length,
+        tuple(activation.shape),
+        activation.dtype,
+        tuple(embedded.shape) if isinstance(embedded, torch.Tensor) else None,
+    )
 
 
 def _check_loss(model: nn.Module) -> None:
@@ -317,10 +335,36 @@ def build_stage(model: nn.Module, roles: PipelineRoles, layers: range, *, first:
         else:
             setattr(parent, child, stand_in)
     own = [stage.get_submodule(roles.layers[index]) for index in layers]
-    stage.forward = StageForward(stage, own[0], own[-1], first=first, last=last)
+    embeds = _stage_inputs_embeds(roles)
+    stage.forward = StageForward(stage, own[0], own[-1], first=first, last=last, inputs_embeds=embeds)
     stage.__dict__[_STAGE_FORWARD_ATTRIBUTE] = stage.forward
     stage.__dict__[PIPELINE_STAGE_ATTRIBUTE] = model
+    check_stage_runs(stage, model, _trace_inputs(roles, first=first), layers)
     return stage
+
+
+def _stage_inputs_embeds(roles: PipelineRoles) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a later stage passes its model's forward as ``inputs_embeds`` (for their batch and sequence shape: the
+    first own layer takes the received activation itself): a detached copy of the activation where it has the input
+    embeddings' shape (CTRL scales its ``inputs_embeds`` in place, which the received activation, a leaf that requires
+    grad, does not allow), else zeros of the embeddings' shape (RemBERT's narrower embeddings, DeepSeek-V4's
+    activation of several streams, which its forward builds from the embeddings)."""
+    embedded, activation = roles.embedding_shape, roles.activation_shape
+    if embedded is None or embedded == activation or len(embedded) < 2 or embedded[:2] != activation[:2]:
+        return _detached_copy
+    trailing = embedded[2:]
+    return lambda received: received.new_zeros((*received.shape[:2], *trailing))
+
+
+def _detached_copy(received: torch.Tensor) -> torch.Tensor:
+    return received.detach().clone()
+
+
+def _trace_inputs(roles: PipelineRoles, *, first: bool) -> torch.Tensor:
+    """What a stage receives in the meta check: token ids for the first stage, else the activation of the trace."""
+    if first:
+        return torch.zeros(1, _TRACE_LENGTH, dtype=torch.long, device="meta")
+    return torch.zeros(roles.activation_shape, dtype=roles.activation_dtype, device="meta")
 
 
 def stage_forward(stage: nn.Module) -> StageForward:
@@ -341,8 +385,18 @@ class StageForward:
     own layer's hidden states replaced by the received activation; it returns the logits (last stage) or the last
     own layer's output."""
 
-    def __init__(self, model: nn.Module, first_layer: nn.Module, last_layer: nn.Module, *, first: bool, last: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        first_layer: nn.Module,
+        last_layer: nn.Module,
+        *,
+        first: bool,
+        last: bool,
+        inputs_embeds: Callable[[torch.Tensor], torch.Tensor] = _detached_copy,
+    ):
         self.model_forward = type(model).forward
+        self.inputs_embeds = inputs_embeds
         self.model = model  # the stage itself: a reference cycle the garbage collector handles
         self.first, self.last = first, last
         self.received: torch.Tensor | None = None
@@ -365,7 +419,7 @@ class StageForward:
             kwargs["input_ids"] = inputs
         else:
             self.received = inputs
-            kwargs["inputs_embeds"] = inputs
+            kwargs["inputs_embeds"] = self.inputs_embeds(inputs)
         captured: list[torch.Tensor] = []
         handle = None
         if self.last and self.return_head_input:

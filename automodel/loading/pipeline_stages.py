@@ -143,6 +143,7 @@ def split_into_stages(model: nn.Module, context: MeshContext) -> StageSplit:
     try:
         roles = pipeline_roles(model)
         split = StageSplit(roles, stage_layer_counts(roles.num_layers, layout.num_stages))
+        _check_ties_across_stages(model, split)
     except ValueError as exc:
         error = exc
     agree_or_raise(error, f"Splitting {type(model).__name__} into {layout.num_stages} pipeline stages")
@@ -156,6 +157,28 @@ def split_into_stages(model: nn.Module, context: MeshContext) -> StageSplit:
         split.layer_counts,
     )
     return split
+
+
+def _check_ties_across_stages(model: nn.Module, split: StageSplit) -> None:
+    """Refuse a parameter shared by parts of different stages, other than the embedding and the head (whose gradients
+    the pipeline sums, ``_split_ties``): each stage would train its own copy (Zamba's transformer block shared by
+    decoder layers on both sides of a cut)."""
+    roles = split.roles
+    owner = {name: 0 for name in (*roles.inputs, *roles.unused)}
+    owner |= {name: len(split.layer_counts) - 1 for name in roles.outputs}
+    for index in range(len(split.layer_counts)):
+        owner |= {roles.layers[layer]: index for layer in split.layers(index)}
+    ends = tuple(f"{name}." for name in (*roles.inputs, *roles.unused, *roles.outputs))
+    for group in tied_parameter_names(model):
+        if all(name.startswith(ends) for name in group):
+            continue  # the embedding and the head: summed between the first and the last stage
+        stages = {index for name in group for module, index in owner.items() if name.startswith(f"{module}.")}
+        if len(stages) > 1:
+            raise ValueError(
+                f"{type(model).__name__} cannot be split into pipeline stages: {group[0]} is one parameter with "
+                f"{', '.join(group[1:3])}{' ...' if len(group) > 3 else ''}, held by stages {sorted(stages)}, whose "
+                "gradients would not be summed. Use pp_size=1."
+            )
 
 
 def parallelized_stage(model: nn.Module, split: StageSplit, index: int, context: MeshContext) -> nn.Module:

@@ -49,16 +49,25 @@ def nemotron_h_model(tie: bool | None = None) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(nemotron_h_config(), dtype=torch.float32).train()
 
 
-def pipeline_parity(model_type: str, layout: dict[str, Any], tie: bool | None = None) -> dict[str, Any]:
+def pipeline_parity(
+    model_type: str, layout: dict[str, Any], tie: bool | None = None, *, train: bool = True, refusal: bool = False
+) -> dict[str, Any]:
     """One ``train_step`` of ``model_type`` under ``layout`` (``MeshContext.build`` keywords with ``pp_size``) against
     plain transformers' ``model(input_ids, labels).loss.backward()`` on the whole batch: the loss difference, the
     largest gradient difference (and its parameter), the parameters without a gradient, and whether every
     parameter of the plain model is on some rank; then the loss of a batch of another sequence length, by
-    ``train_step`` and ``eval_step``."""
+    ``train_step`` and ``eval_step``. ``train=False`` runs both models in eval mode (a model whose training forward
+    is random); with ``refusal``, a refusal while loading is returned as ``{"refused": message}``."""
     reference = nemotron_h_model() if model_type == "nemotron_h" else plain_model(model_type, tie)
+    reference.train(train)
     directory = _saved(reference)
     context = MeshContext.build(**layout)
-    model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context).train()
+    try:
+        model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context).train(train)
+    except (ValueError, NotImplementedError, TypeError) as error:
+        if not refusal:
+            raise
+        return {"refused": f"{type(error).__name__}: {error}"}
     batch = token_batch(8, 16)  # longer than the tiny configs' sliding windows (8)
     loss = model.train_step(input_ids=batch, labels=batch)
     expected = reference(input_ids=batch, labels=batch)
@@ -81,7 +90,7 @@ def pipeline_parity(model_type: str, layout: dict[str, Any], tie: bool | None = 
         abs(model.train_step(input_ids=other, labels=other).item() - plain_other),
         abs(model.eval_step(input_ids=other, labels=other).item() - plain_other),
     )
-    held = [[name for name, _ in model.named_parameters()]]
+    held = [[name for name, _ in model.named_parameters(remove_duplicate=False)]]
     everyone: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, held[0])
     covered = {name for names in everyone for name in names}
