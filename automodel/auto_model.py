@@ -31,7 +31,12 @@ from automodel.distributed.tensor_parallel import set_user_tp_plan
 from automodel.keyword_arguments import check_loading_options, dtype_argument, unknown_keywords_error
 from automodel.loading import CheckpointPlan, read_json, resolve_checkpoint_dir
 from automodel.loading.hub import HubOptions, resolve_adapter_dir
-from automodel.loading.pipeline import build_on_every_rank, load_parallelized, transformers_model
+from automodel.loading.pipeline import (
+    build_on_every_rank,
+    garbage_collection_paused,
+    load_parallelized,
+    transformers_model,
+)
 from automodel.loading.quantized import QuantizationScheme, pop_quantization_scheme
 from automodel.lora import add_lora
 from automodel.lora_checkpoint import LoraAdapter, read_lora_adapter
@@ -58,6 +63,7 @@ class _NeMoAutoBase:
     _auto_mapping: ClassVar[Any]
 
     @classmethod
+    @garbage_collection_paused()
     def from_pretrained(
         cls,
         name_or_path: str | os.PathLike,
@@ -171,6 +177,7 @@ class _NeMoAutoBase:
         return loaded.model.eval()
 
     @classmethod
+    @garbage_collection_paused()
     def from_config(
         cls,
         config: PretrainedConfig,

@@ -19,6 +19,7 @@ import transformers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 import automodel._compat.torch as compat_torch
 import automodel._compat.transformers as compat_transformers
@@ -132,3 +133,30 @@ def test_fsdp_param_groups_reads_each_units_group() -> None:
     shard_elements = {model[0].weight: 3 * 4, model[0].bias: 3, model[2].weight: 1 * 6, model[2].bias: 1}
     assert padded == {id(param): elements * 4 for param, elements in shard_elements.items()}
     assert largest_gather == (3 * 4 + 3) * 2 * 4
+
+
+def test_dtensor_like_equals_from_local() -> None:
+    """``dtensor_like`` (DTensor's constructor with a given spec, what the loader wraps its local shards with) gives
+    what ``DTensor.from_local`` gives: the same mesh, placements, global shape and stride, the local tensor's storage,
+    no autograd history; on a 2 x 2 mesh with a ``Shard`` and FSDP2's ``_StridedShard`` over a TP-sharded dim."""
+    dist.init_process_group("fake", rank=3, world_size=4, store=compat_torch.FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for placements, local_shape in (
+            ([Shard(0), Shard(1)], (4, 3)),
+            ([compat_torch.StridedShard(0, split_factor=2), Shard(0)], (2, 6)),
+        ):
+            like = DTensor.from_local(
+                torch.empty(local_shape, device="meta"), mesh, placements, run_check=False, shape=(8, 6), stride=(6, 1)
+            )
+            local = torch.zeros(local_shape)
+            made = compat_torch.dtensor_like(local, like)
+            expected = DTensor.from_local(
+                local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+            )
+            assert (made.device_mesh, made.placements) == (expected.device_mesh, expected.placements)
+            assert (made.shape, made.stride(), made.dtype) == (expected.shape, expected.stride(), expected.dtype)
+            assert made.to_local().data_ptr() == local.data_ptr() == expected.to_local().data_ptr()
+            assert not made.requires_grad and made.grad_fn is None
+    finally:
+        dist.destroy_process_group()

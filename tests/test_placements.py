@@ -8,10 +8,12 @@ import itertools
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from automodel._compat.torch import StridedShard, split_placement
-from automodel.loading.placements import local_runs, to_runs
+from automodel._compat.torch import FakeStore, StridedShard, split_placement
+from automodel.loading.placements import checked_local_runs, local_indices, local_runs, to_runs
 
 PLACEMENTS = [Shard(0), *(StridedShard(0, split_factor=factor) for factor in (1, 2, 3, 4))]
 
@@ -63,3 +65,41 @@ def test_fsdp_shards_dim_0_unless_padding_it_would_waste_more_than_a_sixteenth()
     assert fsdp_shard_dim((1024, 8192), 8192) == 1  # a KV projection at 8,192 ranks
     assert fsdp_shard_dim((3, 5), 4) == 0  # no later dim divides: dim 0, padded
     assert fsdp_shard_dim((7,), 8) == 0 and fsdp_shard_dim((), 8) == 0 and fsdp_shard_dim((2, 8), 1) == 0
+
+
+def test_checked_runs_are_the_runs_of_the_local_indices():
+    """What the loader reads by (``checked_local_runs``, closed form, adjacent runs merged) is what it read by before:
+    the maximal runs of ``local_indices``' index vectors. Every rank of simulated 2 x 3, 3 x 2 and 1 x 3 meshes, over
+    a tensor whose dims carry one placement or two (FSDP2's ``_StridedShard`` over TP's ``Shard``), with uneven and
+    empty shards and a mesh dim of size 1."""
+    for shape in ((2, 3), (3, 2), (1, 3)):
+        for rank in range(shape[0] * shape[1]):
+            dist.init_process_group("fake", rank=rank, world_size=shape[0] * shape[1], store=FakeStore())
+            try:
+                mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+                first = [Shard(0), Shard(1), StridedShard(0, split_factor=shape[1]), Replicate()]
+                for placements in itertools.product(first, [Shard(0), Shard(1)]):
+                    for size in ((12, 5), (5, 7), (1, 9)):
+                        tensor = DTensor.from_local(
+                            torch.empty(_local_shape(size, mesh, placements), device="meta"),
+                            mesh,
+                            placements,
+                            run_check=False,
+                            shape=size,
+                            stride=(size[1], 1),
+                        )
+                        expected = [to_runs(dim_indices) for dim_indices in local_indices(tensor)]
+                        assert checked_local_runs(tensor) == expected, (rank, shape, placements, size)
+            finally:
+                dist.destroy_process_group()
+
+
+def _local_shape(size, mesh, placements) -> tuple[int, ...]:
+    """The local shard shape DTensor's split rules give this rank (the loader's closed form is the oracle's own
+    subject in the tests above; here only the shape is needed to build the tensor)."""
+    runs = [[(0, extent)] for extent in size]
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, (Shard, StridedShard)):
+            runs[placement.dim] = local_runs(runs[placement.dim], placement, mesh.size(mesh_dim), coordinate[mesh_dim])
+    return tuple(sum(stop - start for start, stop in dim_runs) for dim_runs in runs)

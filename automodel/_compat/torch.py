@@ -34,6 +34,7 @@ __all__ = [
     "all_gather_autograd",
     "apply_to_tensors",
     "default_process_group",
+    "dtensor_like",
     "flatten_mesh",
     "fsdp_param_groups",
     "fsdp_sizes",
@@ -261,6 +262,14 @@ def full_tensor(tensor: DTensor) -> torch.Tensor:
     )
     with torch.no_grad():
         return DTensor(tensor._local_tensor, readable, requires_grad=False).full_tensor()
+
+
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A ``DTensor`` with the spec of ``like`` (mesh, placements, global shape, stride and dtype) holding ``local`` as
+    its local shard, with no autograd history: DTensor's constructor, as FSDP2 builds its sharded parameters.
+    ``DTensor.from_local`` builds the same spec anew through an autograd function (30 us against 4 us a tensor, paid
+    for every parameter of every load). Known: 2.11.0 - 2.14.1 (the releases checked)."""
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def fsdp_state(unit: nn.Module) -> Any:

@@ -98,7 +98,7 @@ def byte_runs(entry: TensorEntry, slices: tuple[slice, ...]) -> tuple[torch.Tens
     shape = entry.shape
     bounds = [(s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(slices)]
     bounds += [(0, size) for size in shape[len(bounds) :]]
-    element = torch.tensor([], dtype=entry.dtype).element_size()
+    element = entry.dtype.itemsize
     strides = [element] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
@@ -179,6 +179,8 @@ def plan_chunks(
                 position += size // element
         return chunks
     count = len(offsets)
+    if count == 1:  # one run (a dim-0 shard, a whole tensor): one chunk, nothing to plan
+        return [ReadChunk(fd, [int(offsets[0])], length, [0], length, dtype, target, what)]
     per_chunk = max(1, min(_IOV_MAX // 2, limit // length))
     gaps = offsets[1:] - offsets[:-1] - length
     starts = torch.ones(count, dtype=torch.bool)

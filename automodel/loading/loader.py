@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from automodel._compat.torch import apply_to_tensors
+from automodel._compat.torch import apply_to_tensors, dtensor_like
 from automodel.distributed.model_structure import retie_parameters, tied_parameter_names
 from automodel.distributed.runtime import is_rank_zero
 
@@ -59,17 +59,14 @@ def materialize(model: nn.Module, device: torch.device | str) -> set[str]:
 
 def _empty_on(device: torch.device | str):
     """``Module.to_empty``'s ``empty_like``, with a ``DTensor``'s local shard allocated directly and wrapped in the same
-    placements: ``empty_like`` on a sharded meta ``DTensor`` goes through DTensor's sharding propagation (0.013 s of CPU
-    per rank for a 1 GB Llama on 4 ranks, against 0.008 s this way)."""
+    spec: ``empty_like`` on a sharded meta ``DTensor`` goes through DTensor's sharding propagation (0.013 s of CPU per
+    rank for a 1 GB Llama on 4 ranks), ``DTensor.from_local`` through an autograd function (0.004 s)."""
 
     def empty(tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, DTensor):
             return torch.empty_like(tensor, device=device)
         local = tensor.to_local()
-        storage = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device)
-        return DTensor.from_local(
-            storage, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
-        )
+        return dtensor_like(torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device), tensor)
 
     return empty
 

@@ -12,7 +12,9 @@ collective, so a failure is raised everywhere with its own exception class inste
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -32,9 +34,26 @@ from .pipeline_stages import load_pipeline_stages
 from .quantized import QuantizationScheme
 from .sharded_loader import Loaded
 
-__all__ = ["Loaded", "build_on_every_rank", "load_parallelized", "transformers_model"]
+__all__ = ["Loaded", "build_on_every_rank", "garbage_collection_paused", "load_parallelized", "transformers_model"]
 
 Prepare = Callable[[nn.Module, CheckpointPlan | None], None]
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, and back as it was after it (also a decorator).
+
+    A load makes hundreds of thousands of objects (modules, parameters, DTensor specs), and each time their count
+    passes the collector's threshold it walks the young ones, now and then all of them: 2-14 ms of a 1.2 GB Llama's
+    load on one rank (measured). What a load frees it frees by reference count; cycles it leaves are collected after.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def build_on_every_rank(build: Callable[[], nn.Module], what: str) -> nn.Module:

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from automodel.distributed.megatron_fsdp import is_megatron_fsdp_parameter
 from automodel.distributed.runtime import progress_bars_disabled
 
 from .initialization import local_view
-from .placements import local_indices
+from .placements import checked_local_runs, local_indices
 from .reader import parallel_reads
-from .sources import Source
+from .sources import Source, StoredTensor
 
 __all__ = ["LoadReport", "Loaded", "count_reads", "load_into", "peak_rss_bytes", "state_tensors"]
 
@@ -77,8 +78,17 @@ def load_into(model: nn.Module, sources: dict[str, Source], *, progress: bool = 
     device = next((local_view(t).device for _, t in targets), torch.device("cpu"))
     with torch.no_grad(), parallel_reads(device):
         for name, tensor in bar:
-            sources[name].read_into(local_indices(tensor), local_view(tensor))
+            _read_local_part(sources[name], tensor, local_view(tensor))
     return len(targets)
+
+
+def _read_local_part(source: Source, tensor: torch.Tensor, out: torch.Tensor) -> None:
+    """Read this rank's part of ``tensor`` (a parameter or buffer) from ``source`` into ``out`` (its local storage,
+    or a meta stand-in to count the reads): a stored tensor by its index runs, any other source by index vectors."""
+    if isinstance(source, StoredTensor) and not is_megatron_fsdp_parameter(tensor):
+        source.read_runs_into(checked_local_runs(tensor), out)
+    else:
+        source.read_into(local_indices(tensor), out)
 
 
 def count_reads(model: nn.Module, sources: dict[str, Source]) -> int:
@@ -89,8 +99,7 @@ def count_reads(model: nn.Module, sources: dict[str, Source]) -> int:
     with torch.no_grad():
         for name, tensor in state_tensors(model):
             if name in sources:
-                local = local_view(tensor)
-                sources[name].read_into(local_indices(tensor), torch.empty_like(local, device="meta"))
+                _read_local_part(sources[name], tensor, torch.empty_like(local_view(tensor), device="meta"))
     return sum(f.bytes_read for f in files.values()) - before
 
 

@@ -55,8 +55,13 @@ class StoredTensor:
         return out
 
     def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
+        self.read_runs_into([to_runs(dim_indices) for dim_indices in indices], out)
+
+    def read_runs_into(self, runs: list[list[tuple[int, int]]], out: torch.Tensor) -> None:
+        """:meth:`read_into` for the indices given as ascending runs ``(start, stop)`` per dim (``placements``'
+        ``IndexRuns``), in local order."""
         # `out` is a final destination: inside `reader.parallel_reads` its reads may be queued to the reader threads.
-        self._read_runs_into([to_runs(dim_indices) for dim_indices in indices], out, defer=True)
+        self._read_runs_into(runs, out, defer=True)
 
     def _read_runs_into(self, runs: list[list[tuple[int, int]]], out: torch.Tensor, *, defer: bool = False) -> None:
         """One box per combination of runs, each read straight into its part of ``out`` (through a temporary of
