@@ -73,7 +73,7 @@ class _ModuleTree:
     """A model's modules in ``modules()`` order (each once, pre-order), with every module's parents (all of them, for
     a module shared by several), walked once with a stack. ``modules()`` yields through one generator per level of
     the tree, and :func:`decoder_layers` is asked several times per ``parallelize`` and once per step: about 1.1 ms a
-    time for a 16-layer Llama, 0.2 ms this way."""
+    time for a 15-layer Llama, 0.35 ms this way."""
 
     def __init__(self, root: nn.Module) -> None:
         self.modules: list[nn.Module] = []

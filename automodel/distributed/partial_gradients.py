@@ -47,19 +47,24 @@ def reduce_partial_gradients(model: nn.Module, tp_mesh: DeviceMesh, styles: dict
         return
     detection = _Detection(tp_mesh)
     handles = [producer.register_forward_hook(detection.record_outputs) for producer in producers]
+    # The modules holding a styled one, by name: every proper dotted prefix of a styled name (a set, not a scan of
+    # the styled names per module: 80 layers under TP made that 0.5 million string compares).
+    holders = {name.rsplit(".", depth)[0] for name in styled if name for depth in range(1, name.count(".") + 1)}
     for name, module in modules.items():
         if name in styled or module is model or _inside_styled(name, styled):
             continue
         handles.append(module.register_forward_pre_hook(detection.check_inputs(name), with_kwargs=True))
         # A module holding a styled one (BERT's ``output`` around the rowwise ``dense``, taking the sharded
         # intermediate activation) returns what that style restored: its outputs are not sharded features.
-        if not any(prefix.startswith(f"{name}.") for prefix in styled):
+        if name not in holders:
             handles.append(module.register_forward_hook(detection.propagate))
     handles.append(model.register_forward_hook(detection.finish(handles, type(model).__name__)))
 
 
 def _inside_styled(name: str, styled: set[str]) -> bool:
-    return any(name.startswith(f"{prefix}.") for prefix in styled if prefix)
+    """Whether a proper dotted prefix of ``name`` is styled (the module lies inside a styled one)."""
+    parts = name.split(".")
+    return any(".".join(parts[:end]) in styled for end in range(1, len(parts)))
 
 
 class _Detection:
