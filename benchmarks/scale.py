@@ -18,7 +18,8 @@ For each model shape, layout, world size N and simulated rank (0 and N-1), a fre
 - **peak RSS** of the process.
 
 With ``--load``, ``from_pretrained`` also runs on a header-only safetensors checkpoint (real headers and index, a
-sparse file with no data: reads return zeros without touching a disk) and reports its wall time, its peak RSS growth
+sparse file with no data: reads return zeros without touching a disk; its pages are dropped from the page cache
+before each load, so every load starts cold) and reports its wall time, its peak RSS growth
 and CPU time (user + system: the kernel's page-cache work is charged to the reading process), its peak RSS growth
 against the local shards, and the same rank's load under FSDP2 alone (the reference the TP load is held to). A
 model is loaded after its parallelize run in the same process, so imports are outside the load's span.
@@ -223,6 +224,7 @@ def _load(checkpoint: str, layout: dict) -> dict:
     from automodel.loading.initialization import local_view
 
     context = MeshContext.build(**layout)
+    _evict_from_page_cache(Path(checkpoint))
     gc.collect()
     reset_peak_rss()
     before = rss_bytes()
@@ -232,6 +234,18 @@ def _load(checkpoint: str, layout: dict) -> dict:
     growth = peak_rss_bytes() - before
     local = sum(local_view(p).numel() * p.element_size() for p in model.parameters())
     return {"load_s": seconds, "load_cpu_s": cpu, "load_rss_growth_bytes": growth, "load_local_bytes": local}
+
+
+def _evict_from_page_cache(checkpoint: Path) -> None:
+    """Drop the checkpoint files' pages from the page cache (``posix_fadvise(DONTNEED)``, no privileges needed), so
+    that each load starts cold, whatever the one before it read: a hole read for the first time costs a page filled
+    with zeros, and a layout that reads more pages (row bands) pays for them in every run alike."""
+    for path in checkpoint.glob("*.safetensors"):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
 
 
 # ----------------------------------------------------------------------------------------------------------------

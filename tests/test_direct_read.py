@@ -99,3 +99,17 @@ def test_index_sets_of_several_runs_read_part_by_part(stored):
     assert torch.equal(out, expected.float())
     assert torch.equal(source.read(indices), expected)
     files.close()
+
+
+@pytest.mark.parametrize("gap", [direct_read.MAX_GAP, direct_read.MAX_GAP + 2])
+def test_gaps_up_to_max_gap_are_read_past_and_wider_ones_are_not(gap):
+    """Rows of ``MAX_GAP`` bytes (so that ``SPAN_AMPLIFICATION`` does not bind): a gap of ``MAX_GAP`` (a page) is read
+    past, one element more is one read per row."""
+    length, rows = direct_read.MAX_GAP, 6
+    offsets = torch.arange(rows, dtype=torch.int64) * (length + gap)
+    out = torch.empty(rows * length // 2, dtype=torch.bfloat16, device="meta")
+    (chunk,) = direct_read.plan_chunks(-1, offsets, length, torch.bfloat16, out)
+    if gap <= direct_read.MAX_GAP:
+        assert chunk.calls == [0] and chunk.spanned == rows * length + (rows - 1) * gap
+    else:
+        assert chunk.calls == list(range(rows)) and chunk.spanned == rows * length
