@@ -92,7 +92,8 @@ class _ModuleTree:
             stack.extend(reversed(children))
 
     def outermost(self, candidates: list[nn.Module]) -> list[nn.Module]:
-        """:func:`_outermost` of modules of this tree: ``candidates`` without those inside another of them."""
+        """``candidates`` (modules of this tree) each once, without those nested inside another of them (an encoder
+        layer inside a decoder layer of the same family, the experts list inside a block)."""
         candidates = list(dict.fromkeys(candidates))
         chosen = {id(module) for module in candidates}
         return [module for module in candidates if not self._inside(module, chosen)]
@@ -179,14 +180,6 @@ def _repeated_blocks(tree: _ModuleTree) -> list[nn.Module]:
 def _is_block(module: nn.Module) -> bool:
     has_parameters = next(module.parameters(), None) is not None
     return has_parameters and next(module.children(), None) is not None
-
-
-def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
-    """``modules`` without those nested inside another of them (an encoder layer inside a decoder layer of the same
-    family, the experts list inside a block), each once."""
-    modules = list(dict.fromkeys(modules))
-    nested = {id(inner) for module in modules for inner in module.modules() if inner is not module}
-    return [module for module in modules if id(module) not in nested]
 
 
 def _describe_blocks(model: nn.Module, blocks: list[nn.Module]) -> str:

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from .checkpoint_files import CheckpointFiles
-from .placements import to_runs
+from .placements import IndexRuns, to_runs
 
 __all__ = ["Concatenated", "InMemoryTensor", "Source", "Stacked", "StoredTensor", "select"]
 
@@ -57,13 +57,12 @@ class StoredTensor:
     def read_into(self, indices: list[torch.Tensor], out: torch.Tensor) -> None:
         self.read_runs_into([to_runs(dim_indices) for dim_indices in indices], out)
 
-    def read_runs_into(self, runs: list[list[tuple[int, int]]], out: torch.Tensor) -> None:
-        """:meth:`read_into` for the indices given as ascending runs ``(start, stop)`` per dim (``placements``'
-        ``IndexRuns``), in local order."""
+    def read_runs_into(self, runs: IndexRuns, out: torch.Tensor) -> None:
+        """:meth:`read_into` for the indices given as ascending runs ``(start, stop)`` per dim, in local order."""
         # `out` is a final destination: inside `reader.parallel_reads` its reads may be queued to the reader threads.
         self._read_runs_into(runs, out, defer=True)
 
-    def _read_runs_into(self, runs: list[list[tuple[int, int]]], out: torch.Tensor, *, defer: bool = False) -> None:
+    def _read_runs_into(self, runs: IndexRuns, out: torch.Tensor, *, defer: bool = False) -> None:
         """One box per combination of runs, each read straight into its part of ``out`` (through a temporary of
         that part's size where the part is not contiguous in ``out``), so memory never holds more than the shard
         and one part. ``defer``: reads into ``out`` itself may be queued (see ``CheckpointFiles.read_into``)."""
@@ -86,7 +85,7 @@ class StoredTensor:
             self._read_runs_into([*runs[:split], [run], *runs[split + 1 :]], part, defer=defer)
             position += count
 
-    def _read_runs(self, runs: list[list[tuple[int, int]]]) -> torch.Tensor:
+    def _read_runs(self, runs: IndexRuns) -> torch.Tensor:
         split = next((dim for dim, dim_runs in enumerate(runs) if len(dim_runs) > 1), None)
         if split is None:
             slices = tuple(slice(*dim_runs[0]) if dim_runs else slice(0, 0) for dim_runs in runs)
