@@ -142,3 +142,32 @@ def test_floor_seconds_on_the_cpu(stored):
     floors = reader.floor_seconds([path], "cpu", threads=2)
     assert set(floors) == {"read_pinned_s", "h2d_s", "bytes"}
     assert floors["bytes"] == path.stat().st_size and floors["read_pinned_s"] >= 0 and floors["h2d_s"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("machine", "bound_to", "local_ranks", "expected"),
+    [
+        (16, 16, None, 8),  # one process, not bound: one thread per core, at most MAX_READER_THREADS
+        (16, 16, "4", 4),  # the node's cores shared among its ranks
+        (2, 2, "4", 1),  # more ranks than cores: at least one thread
+        (96, 6, "8", 6),  # a rank bound to 6 cores (torchrun --numa-binding, taskset) has those to itself
+    ],
+)
+def test_default_reader_threads_share_the_cores_among_the_ranks(monkeypatch, machine, bound_to, local_ranks, expected):
+    monkeypatch.delenv("AUTOMODEL_READER_THREADS", raising=False)
+    monkeypatch.setattr(reader.os, "cpu_count", lambda: machine)
+    monkeypatch.setattr(reader.os, "sched_getaffinity", lambda pid: set(range(bound_to)), raising=False)
+    if local_ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    assert reader.default_reader_threads() == expected
+    monkeypatch.setenv("AUTOMODEL_READER_THREADS", "3")  # set: taken as it is
+    assert reader.default_reader_threads() == 3
+    assert reader.ParallelReader("cpu").threads == 3
+    monkeypatch.setenv("AUTOMODEL_READER_THREADS", "0")  # 0: the default
+    assert reader.default_reader_threads() == expected
+    for wrong in ("-2", "four"):
+        monkeypatch.setenv("AUTOMODEL_READER_THREADS", wrong)
+        with pytest.raises(ValueError, match="AUTOMODEL_READER_THREADS"):
+            reader.default_reader_threads()
