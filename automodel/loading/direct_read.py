@@ -123,9 +123,10 @@ def byte_runs(entry: TensorEntry, slices: tuple[slice, ...]) -> tuple[torch.Tens
 STAGING_BYTES = 16 << 20
 #: Short runs close together (a dim-1 shard's rows) are read by one ``preadv`` whose gaps land in a scratch buffer,
 #: when a gap is at most ``SPAN_AMPLIFICATION - 1`` times the run and at most ``MAX_GAP`` bytes (a page). With the
-#: page cache warm, a ``preadv`` per row costs 1.1-2.4 us and reading past a gap 0.12 us more per KiB of it: even at
-#: about 8 KiB. With it cold, each page read past is one more page to fill. A 70B ``o_proj`` row under TP=8 (2 KiB of
-#: 16 KiB) is read alone: read past its gaps, one rank pulled 1.1 GB more through the page cache for its 2.1 GB.
+#: page cache warm, a ``preadv`` per row costs 1.1-2.4 us and reading past a gap 0.12 us more per KiB of gap, so the
+#: two are even at about 8 KiB; with it cold, each page read past is one more page to fill. A 70B ``o_proj`` row under
+#: TP=8 (2 KiB of 16 KiB) is read alone: read past its gaps, one rank pulled 1.1 GB more through the page cache for
+#: its 2.1 GB (docs/performance.md, "Loading a TP rank from a cold page cache").
 SPAN_AMPLIFICATION = 16
 MAX_GAP = 4 << 10
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
