@@ -141,9 +141,9 @@ class ParallelReader:
     for every read and copy."""
 
     def __init__(self, device: torch.device | str, threads: int | None = None) -> None:
+        threads = default_reader_threads() if threads is None else threads
         self.device = torch.device(device)
-        self.threads = default_reader_threads() if threads is None else threads
-        threads = self.threads
+        self.threads = threads
         self._futures: list[Future] = []
         self._stream = None
         cuda = self.device.type == "cuda"
