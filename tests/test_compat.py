@@ -8,6 +8,7 @@ symbol's error message tells the user to install).
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import re
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import automodel._compat.torch as compat_torch
@@ -158,5 +159,140 @@ def test_dtensor_like_equals_from_local() -> None:
             assert (made.shape, made.stride(), made.dtype) == (expected.shape, expected.stride(), expected.dtype)
             assert made.to_local().data_ptr() == local.data_ptr() == expected.to_local().data_ptr()
             assert not made.requires_grad and made.grad_fn is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shared_mesh_concatenations_builds_each_pair_once() -> None:
+    """Inside the block, ``DeviceMesh._concatenate`` answers the same meshes with one mesh, equal to what torch builds
+    each time outside it (layout, names, process groups); an overlap is still refused; the block restores torch's
+    own on the way out, also when it ends in an error, and a nested block restores the outer one's."""
+    dist.init_process_group("fake", rank=3, world_size=4, store=compat_torch.FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp, tp = mesh["dp"], mesh["tp"]
+        torch_own = DeviceMesh.__dict__["_concatenate"]
+        apart = DeviceMesh._concatenate([dp, tp])
+        assert DeviceMesh._concatenate([dp, tp]) is not apart
+        with pytest.raises(KeyError), compat_torch.shared_mesh_concatenations():
+            shared = DeviceMesh._concatenate([dp, tp])
+            assert DeviceMesh._concatenate([dp, tp]) is shared
+            assert DeviceMesh._concatenate([tp, dp]) is not shared
+            assert shared == apart and shared.mesh_dim_names == ("dp", "tp")
+            assert shared._dim_group_names == apart._dim_group_names
+            assert list(shared.get_coordinate()) == list(apart.get_coordinate()) == [1, 1]
+            with pytest.raises(RuntimeError, match="overlapping"):
+                DeviceMesh._concatenate([dp, dp])
+            with compat_torch.shared_mesh_concatenations():
+                assert DeviceMesh._concatenate([dp, tp]) is not shared  # the inner block's own
+            assert DeviceMesh._concatenate([dp, tp]) is shared
+            raise KeyError("an error inside the block")
+        assert DeviceMesh.__dict__["_concatenate"] is torch_own
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3, 8])
+def test_shard_chunks_on_demand_are_torchs_chunks(num_chunks) -> None:
+    """Each chunk made on demand is the one FSDP2's ``_chunk_with_empty`` makes (shape, stride, storage offset, the
+    same storage; the padding an empty tensor of the first chunk's dtype), for sizes that split evenly, unevenly,
+    into fewer chunks than asked, and a zero-size dim, on dims 0 and 1, with negative indices; out of range raises."""
+    for size, dim in itertools.product((0, 1, 5, 8, 12, 13), (0, 1)):
+        tensor = torch.arange(size * 3, dtype=torch.float16).reshape((size, 3) if dim == 0 else (3, size))
+        expected = compat_torch._chunk_with_empty(tensor, num_chunks, dim=dim)
+        made = compat_torch._ChunksOnDemand(tensor, num_chunks, dim)
+        assert len(made) == len(expected) == num_chunks
+        for index in range(-num_chunks, num_chunks):
+            want, got = expected[index], made[index]
+            assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype), (size, dim, index)
+            if want.numel():
+                assert got.storage_offset() == want.storage_offset()
+                assert got.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+        with pytest.raises(IndexError):
+            made[num_chunks]
+    torch_own = compat_torch._fsdp_param_module._chunk_with_empty
+    with compat_torch.shard_chunks_on_demand():
+        assert compat_torch._fsdp_param_module._chunk_with_empty is compat_torch._ChunksOnDemand
+    assert compat_torch._fsdp_param_module._chunk_with_empty is torch_own
+
+
+@pytest.mark.parametrize("rank", [0, 6, 7])
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_fully_shard_shims_leave_fsdp2_state_as_torch_makes_it(monkeypatch, rank, tp_size) -> None:
+    """``parallelize`` with the two ``fully_shard`` shims gives every parameter the FSDP2 state torch gives it without
+    them: local shard shape, stride and values' place, padding, post-forward size and the sharded spec, on 8
+    simulated ranks under FSDP2 and FSDP2 x TP=2, a tiny Llama whose odd sizes leave some ranks an empty chunk."""
+    import contextlib
+
+    import automodel.distributed.apply as apply_module
+
+    def states(shims: bool) -> list[tuple]:
+        if not shims:
+            monkeypatch.setattr(apply_module, "shared_mesh_concatenations", contextlib.nullcontext)
+            monkeypatch.setattr(apply_module, "shard_chunks_on_demand", contextlib.nullcontext)
+        model = _sharded_tiny_llama(tp_size, vocab_size=67, hidden_size=24, num_key_value_heads=2)
+        monkeypatch.undo()
+        return [
+            (
+                unit_name,
+                param._module_info.param_name,
+                param.sharded_param.to_local().shape,
+                param.sharded_param.to_local().stride(),
+                param.padded_sharded_param_size,
+                param.sharded_size,
+                getattr(param, "sharded_post_forward_size", None),
+                param._sharding_spec.placements,
+                param._sharding_spec.mesh,
+                param._sharding_spec.shape,
+            )
+            for unit_name, unit in model.named_modules()
+            if isinstance(unit, FSDPModule)
+            for group in compat_torch.fsdp_param_groups(unit)
+            for param in group.fsdp_params
+        ]
+
+    dist.init_process_group("fake", rank=rank, world_size=8, store=compat_torch.FakeStore())
+    try:
+        with_shims, without = states(True), states(False)
+    finally:
+        dist.destroy_process_group()
+    assert len(with_shims) == len(without) > 10
+    assert with_shims == without
+
+
+def _sharded_tiny_llama(tp_size: int, **sizes: int) -> nn.Module:
+    """A tiny Llama built on meta and parallelized under FSDP2 (x TP) on the initialized (fake) process group."""
+    from automodel.distributed import MeshContext
+    from automodel.distributed.parallelizer import parallelizer_for
+
+    options = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64,
+    )  # fmt: skip
+    config = transformers.LlamaConfig(**{**options, **sizes})
+    context = MeshContext.build("fsdp2", tp_size=tp_size)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    return parallelizer_for(model).parallelize(model, context)
+
+
+def test_fsdp2_tp_parameters_share_one_mesh_after_parallelize() -> None:
+    """``parallelize`` under FSDP2 x TP=2 (rank 3 of 4 simulated, a tiny Llama on meta): every TP parameter's FSDP2
+    shard lives on the one (dp_shard_cp, tp) mesh, not on a mesh of its own, and torch's ``_concatenate`` is back."""
+    torch_own = DeviceMesh.__dict__["_concatenate"]
+    dist.init_process_group("fake", rank=3, world_size=4, store=compat_torch.FakeStore())
+    try:
+        model = _sharded_tiny_llama(2)
+        meshes = {
+            id(param._spmd_mesh): param._spmd_mesh
+            for unit in model.modules()
+            if isinstance(unit, FSDPModule)
+            for group in compat_torch.fsdp_param_groups(unit)
+            for param in group.fsdp_params
+            if hasattr(param, "_spmd_mesh")
+        }
+        (mesh,) = meshes.values()
+        assert mesh.mesh_dim_names == ("dp_shard_cp", "tp") and mesh.size() == 4
+        assert DeviceMesh.__dict__["_concatenate"] is torch_own
     finally:
         dist.destroy_process_group()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from automodel._compat.torch import fsdp_state
+from automodel._compat.torch import fsdp_state, shard_chunks_on_demand, shared_mesh_concatenations
 
 from .activation_checkpointing import checkpoint_module
 from .compile import compile_blocks
@@ -137,6 +137,28 @@ def _shard(
     if kind == "megatron_fsdp":
         return apply_megatron_fsdp(model, context), None
     assert kind == "fsdp2", f"unknown sharding {kind!r}"
+    # torch's fully_shard made cheaper at scale: one (DP, TP) mesh for all TP / EP parameters, not one each, and only
+    # the chunks of a parameter it uses, not one per rank (see the two shims).
+    with shared_mesh_concatenations(), shard_chunks_on_demand():
+        _fully_shard_units(parallelizer, model, context, options, experts)
+    unshard_for_outside_calls(model)
+    reshard_after_gradless_forward(model)
+    if plan.sharding.prefetch:
+        prefetch_decoder_layers(model)
+    if plan.sharding.units is not None:
+        return model, None  # the plan's line
+    return model, plan.sharding.fsdp_line(_sharded_unit_kinds(model, experts))
+
+
+def _fully_shard_units(
+    parallelizer: ModelParallelizer,
+    model: nn.Module,
+    context: MeshContext,
+    options: dict[str, Any],
+    experts: ExpertGroups,
+) -> None:
+    """FSDP2's units: the experts over ``ep_shard`` under EP (with the sidecar's primitive unless it opted out), then
+    the dense units through the sidecar's ``_apply_fsdp_sharding`` (skipped on an FSDP mesh of one rank)."""
     reshard_after_forward = options.get("reshard_after_forward")
     shard_options = {"mp_policy": options.get("mp_policy"), "offload_policy": options.get("offload_policy")}
     use_sidecar_primitive = not experts or parallelizer._customizes_moe_fsdp
@@ -166,13 +188,6 @@ def _shard(
             shard_default_units(
                 model, fully_shard_default, mesh=mesh, reshard_after_forward=reshard_after_forward, **shard_options
             )
-    unshard_for_outside_calls(model)
-    reshard_after_gradless_forward(model)
-    if plan.sharding.prefetch:
-        prefetch_decoder_layers(model)
-    if plan.sharding.units is not None:
-        return model, None  # the plan's line
-    return model, plan.sharding.fsdp_line(_sharded_unit_kinds(model, experts))
 
 
 def _sharded_unit_kinds(model: nn.Module, experts: ExpertGroups) -> dict[str, int]:
