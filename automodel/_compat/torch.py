@@ -319,8 +319,8 @@ def shared_mesh_concatenations() -> Iterator[None]:
         DeviceMesh._concatenate = outer
 
 
-# FSDP2's split of a parameter into its ranks' chunks, padded with empty tensors to one per rank (called only in
-# FSDPParam's init, which indexes the list). Known: 2.11.0 - 2.14.1 (the releases checked).
+# FSDP2's split of a parameter into its ranks' chunks, padded with empty tensors to one per rank (called only while an
+# FSDPParam is set up, which indexes the list). Known: 2.11.0 - 2.14.1 (the releases checked).
 _fsdp_param_module = _torch(
     "torch.distributed.fsdp._fully_shard._fsdp_param", purpose="splitting FSDP2's parameters by rank"
 )
@@ -336,8 +336,10 @@ class _ChunksOnDemand(Sequence[torch.Tensor]):
     def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
         self._tensor, self._num_chunks, self._dim = tensor, num_chunks, dim
         size = tensor.size(dim)
-        self._step = -(-size // num_chunks)  # torch.chunk's chunk size; 0 chunks a zero-size dim num_chunks times
-        self._chunks = -(-size // self._step) if size else num_chunks  # the chunks torch.chunk returns
+        self._step = -(-size // num_chunks)  # torch.chunk's chunk size (rounded up)
+        # How many chunks torch.chunk returns: fewer than asked when the size does not fill them; a zero-size dim
+        # gives num_chunks empty ones.
+        self._chunks = -(-size // self._step) if size else num_chunks
 
     def __len__(self) -> int:
         return self._num_chunks
