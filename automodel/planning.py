@@ -10,8 +10,8 @@ real run refuses is refused here with the real run's message, since it is the sa
 
 Which ranks: without ``ranks``, rank 0, the last rank, and one rank of every class of ranks whose local shards have
 the same shapes (the first and last chunks of an uneven split, the ranks past its end, ...); each result says which
-ranks it stands for. Simulating a rank of an 8,192-rank job takes seconds (most of it torch's ``fully_shard``, whose
-cost per parameter grows with the shard group: ``docs/performance.md``).
+ranks it stands for. Simulating a rank of an 8,192-rank job takes one or two seconds (building the model on meta and
+torch's ``fully_shard``, whose cost per parameter no longer grows with the shard group: ``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ and CPU time (user + system: the kernel's page-cache work is charged to the read
 against the local shards, and the same rank's load under FSDP2 alone (the reference the TP load is held to). A
 model is loaded after its parallelize run in the same process, so imports are outside the load's span.
 
-Figures that should not grow with N (per-rank load planning, export writers and the project's parallelize time, padded / ideal bytes)
-are flagged when the largest N's value exceeds twice the smallest's.
+Figures that should not grow with N (per-rank load planning, export writers, the project's parallelize time and torch's
+``fully_shard`` time under the project's shims, padded / ideal bytes) are flagged when the largest N's value exceeds
+twice the smallest's.
 """
 
 from __future__ import annotations
@@ -353,7 +354,7 @@ def flag_growth(rows: list[dict]) -> list[str]:
         small, large = group[0], group[-1]
         if small is large:
             continue
-        for key in ("project_parallelize_s", "load_planning_s", "export_writers_s"):
+        for key in ("project_parallelize_s", "torch_fully_shard_s", "load_planning_s", "export_writers_s"):
             if large[key] > GROWTH_LIMIT * max(small[key], 0.05):
                 flags.append(
                     f"{model} {layout} rank {'0' if first else 'N-1'}: {key} {small[key]:.2f} s at "
