@@ -216,21 +216,45 @@ def test_shard_chunks_on_demand_are_torchs_chunks(num_chunks) -> None:
     assert compat_torch._fsdp_param_module._chunk_with_empty is torch_own
 
 
+_TINY_LLAMA = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=64,
+)  # fmt: skip
+# Odd sizes, so that some of 8 ranks get a short chunk and some an empty one.
+_SHIM_CASES = {
+    "llama_fsdp2": ("LlamaConfig", dict(_TINY_LLAMA, vocab_size=67, hidden_size=24), {}),
+    "llama_fsdp2_tp2": ("LlamaConfig", dict(_TINY_LLAMA, vocab_size=67, hidden_size=24), {"tp_size": 2}),
+    "llama_hsdp2_tp2": ("LlamaConfig", dict(_TINY_LLAMA, vocab_size=67), {"dp_replicate_size": 2, "tp_size": 2}),
+    "qwen3_moe_ep2": (  # 2 experts per EP rank over ep_shard=4: FSDP2 shards their rows (dim 1)
+        "Qwen3MoeConfig",
+        dict(_TINY_LLAMA, vocab_size=67, head_dim=4, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2),
+        {"ep_size": 2},
+    ),
+    "qwen3_moe_ep2_tp2": (
+        "Qwen3MoeConfig",
+        dict(_TINY_LLAMA, vocab_size=67, head_dim=4, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2),
+        {"ep_size": 2, "tp_size": 2},
+    ),
+}
+
+
 @pytest.mark.parametrize("rank", [0, 6, 7])
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_fully_shard_shims_leave_fsdp2_state_as_torch_makes_it(monkeypatch, rank, tp_size) -> None:
+@pytest.mark.parametrize("case", sorted(_SHIM_CASES))
+def test_fully_shard_shims_leave_fsdp2_state_as_torch_makes_it(monkeypatch, rank, case) -> None:
     """``parallelize`` with the two ``fully_shard`` shims gives every parameter the FSDP2 state torch gives it without
-    them: local shard shape, stride and values' place, padding, post-forward size and the sharded spec, on 8
-    simulated ranks under FSDP2 and FSDP2 x TP=2, a tiny Llama whose odd sizes leave some ranks an empty chunk."""
+    them: local shard shape and stride, padding, sharded and post-forward sizes, and the sharded spec (placements,
+    mesh, global shape), on ranks 0, 6 and 7 of 8 simulated, under FSDP2, FSDP2 x TP, HSDP x TP, EP and EP x TP."""
     import contextlib
 
     import automodel.distributed.apply as apply_module
+
+    config_class, sizes, layout = _SHIM_CASES[case]
 
     def states(shims: bool) -> list[tuple]:
         if not shims:
             monkeypatch.setattr(apply_module, "shared_mesh_concatenations", contextlib.nullcontext)
             monkeypatch.setattr(apply_module, "shard_chunks_on_demand", contextlib.nullcontext)
-        model = _sharded_tiny_llama(tp_size, vocab_size=67, hidden_size=24, num_key_value_heads=2)
+        model = _sharded_on_meta(getattr(transformers, config_class)(**sizes), layout)
         monkeypatch.undo()
         return [
             (
@@ -260,19 +284,15 @@ def test_fully_shard_shims_leave_fsdp2_state_as_torch_makes_it(monkeypatch, rank
     assert with_shims == without
 
 
-def _sharded_tiny_llama(tp_size: int, **sizes: int) -> nn.Module:
-    """A tiny Llama built on meta and parallelized under FSDP2 (x TP) on the initialized (fake) process group."""
+def _sharded_on_meta(config: transformers.PretrainedConfig, layout: dict) -> nn.Module:
+    """The model of ``config`` built on meta and parallelized under FSDP2 with ``layout`` on the initialized (fake)
+    process group."""
     from automodel.distributed import MeshContext
     from automodel.distributed.parallelizer import parallelizer_for
 
-    options = dict(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64,
-    )  # fmt: skip
-    config = transformers.LlamaConfig(**{**options, **sizes})
-    context = MeshContext.build("fsdp2", tp_size=tp_size)
+    context = MeshContext.build("fsdp2", **layout)
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     return parallelizer_for(model).parallelize(model, context)
 
 
@@ -282,7 +302,7 @@ def test_fsdp2_tp_parameters_share_one_mesh_after_parallelize() -> None:
     torch_own = DeviceMesh.__dict__["_concatenate"]
     dist.init_process_group("fake", rank=3, world_size=4, store=compat_torch.FakeStore())
     try:
-        model = _sharded_tiny_llama(2)
+        model = _sharded_on_meta(transformers.LlamaConfig(**_TINY_LLAMA), {"tp_size": 2})
         meshes = {
             id(param._spmd_mesh): param._spmd_mesh
             for unit in model.modules()
