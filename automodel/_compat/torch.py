@@ -320,7 +320,8 @@ def shared_mesh_concatenations() -> Iterator[None]:
 
 
 # FSDP2's split of a parameter into its ranks' chunks, padded with empty tensors to one per rank (called only while an
-# FSDPParam is set up, which indexes the list). Known: 2.11.0 - 2.14.1 (the releases checked).
+# FSDPParam is set up, which indexes the list). Resolved here so that a release without the name fails at import
+# instead of the shim below setting an attribute nothing reads. Known: 2.11.0 - 2.14.1 (the releases checked).
 _fsdp_param_module = _torch(
     "torch.distributed.fsdp._fully_shard._fsdp_param", purpose="splitting FSDP2's parameters by rank"
 )
