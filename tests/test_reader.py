@@ -1,8 +1,13 @@
 """The reader threads (``automodel.loading.reader``): reads queued to them equal the same reads done at once and
 safetensors' own slicing, for dim-0 shards, column bands (rows read past their gaps), cast reads and reads split
-into many chunks; the staging pool stays bounded; the GPU load floors run on the CPU."""
+into many chunks; the staging pool stays bounded; chunks of short reads are read by one thread at a time; the GPU
+load floors run on the CPU."""
 
 from __future__ import annotations
+
+import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -120,21 +125,91 @@ def test_the_staging_pool_is_bounded_and_reused(stored, monkeypatch):
     reader.release_staging()
 
 
-def test_a_failed_read_is_raised_after_every_thread_is_done(stored):
+@pytest.mark.parametrize("short", [False, True], ids=["one-read", "short-reads"])
+def test_a_failed_read_is_raised_after_every_thread_is_done(stored, short):
     """A read past the end of the file fails in its thread; the block raises it, naming the tensor, once every
-    other read is done."""
+    other read is done. The same for a chunk of short reads (read by whichever thread reads those)."""
     path, tensors = stored
     files = open_safetensors_file(path)
     good = torch.empty(ROWS, COLUMNS, dtype=torch.bfloat16)
-    bad = torch.empty(16, dtype=torch.uint8)
+    bad = torch.empty(32 if short else 16, dtype=torch.uint8)
+    end = path.stat().st_size
     with open(path, "rb") as stream:
-        past_end = direct_read.ReadChunk(stream.fileno(), [path.stat().st_size], 16, [0], 16, torch.uint8, bad, "'x'")
+        if short:  # two reads of 16 bytes, the second past the end
+            past_end = direct_read.ReadChunk(stream.fileno(), [0, end], 16, [0, 1], 32, torch.uint8, bad, "'x'")
+            assert reader._short_reads(past_end)
+        else:
+            past_end = direct_read.ReadChunk(stream.fileno(), [end], 16, [0], 16, torch.uint8, bad, "'x'")
         with pytest.raises(OSError, match="Reading 'x' failed: unexpected end of file"):
             with reader.parallel_reads("cpu", threads=2) as reads:
                 reads.submit([past_end])
                 files.read_into("weight", (slice(0, ROWS),), good, defer=True)
     assert torch.equal(good, tensors["weight"])
     files.close()
+
+
+def _chunks(path, key, box, fd):
+    """The read chunks of ``tensor[box]`` (``key`` in ``path``) into a fresh destination."""
+    entry = direct_read.read_header(path).entries[key]
+    offsets, length = direct_read.byte_runs(entry, box)
+    out = torch.empty(len(offsets) * length, dtype=torch.uint8)
+    return direct_read.plan_chunks(fd, offsets, length, torch.uint8, out), out
+
+
+def test_short_reads_are_the_rows_read_one_by_one(stored):
+    """A column band whose rows are read one by one is short reads; a dim-0 shard (one read) and rows read past
+    their gaps (one read of the span) are not."""
+    path, _ = stored
+    with open(path, "rb") as stream:
+        rows, _ = _chunks(path, "wide", (slice(0, 8), slice(1024, 2048)), stream.fileno())  # 4 KiB, 60 KiB apart
+        shard, _ = _chunks(path, "weight", (slice(16, 32),), stream.fileno())
+        spanned, _ = _chunks(path, "weight", (slice(0, ROWS), slice(12, 24)), stream.fileno())
+    assert [len(chunk.calls) for chunk in rows] == [8] and reader._short_reads(rows[0])
+    assert not reader._short_reads(shard[0]) and not reader._short_reads(spanned[0])
+    wide = dataclasses.replace(rows[0], length=reader.SHORT_READ_BYTES, spanned=8 * reader.SHORT_READ_BYTES)
+    assert not reader._short_reads(wide)  # reads of SHORT_READ_BYTES each: several threads are faster
+
+
+def test_short_reads_are_read_by_one_thread_at_a_time(stored, monkeypatch):
+    """Chunks of short reads are read one at a time, whatever thread picks them up, while the other threads go on
+    with the other chunks: the first chunk of short reads waits in its read until a long read has started, and a
+    thread that finds the short reads taken leaves its chunk to the thread reading them (no deadlock, every chunk
+    read)."""
+    path, tensors = stored
+    long_started = threading.Event()
+    active, most = [0], [0]
+    lock = threading.Lock()
+    read_chunk = reader.read_chunk
+
+    def observed(chunk, target):
+        if reader._short_reads(chunk):
+            with lock:
+                active[0] += 1
+                most[0] = max(most[0], active[0])
+            assert long_started.wait(timeout=30), "no long read started while short reads were being read"
+            time.sleep(0.002)
+            read_chunk(chunk, target)
+            with lock:
+                active[0] -= 1
+        else:
+            long_started.set()
+            read_chunk(chunk, target)
+
+    monkeypatch.setattr(reader, "read_chunk", observed)
+    box = (slice(0, 8), slice(1024, 2048))
+    with open(path, "rb") as stream:
+        short = [_chunks(path, "wide", box, stream.fileno()) for _ in range(6)]
+        long, long_out = _chunks(path, "weight", (slice(0, ROWS),), stream.fileno())
+        with reader.parallel_reads("cpu", threads=3) as reads:
+            for chunks, _ in short[:3]:
+                reads.submit(chunks)
+            reads.submit(long)
+            for chunks, _ in short[3:]:
+                reads.submit(chunks)
+    assert most[0] == 1
+    for _, out in short:
+        assert torch.equal(out.view(torch.float32).view(8, 1024), tensors["wide"][box])
+    assert torch.equal(long_out.view(torch.bfloat16).view(ROWS, COLUMNS), tensors["weight"])
 
 
 def test_floor_seconds_on_the_cpu(stored):
