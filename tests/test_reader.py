@@ -175,6 +175,7 @@ def test_short_reads_are_read_by_one_thread_at_a_time(stored, monkeypatch):
     with the other chunks: the first chunk of short reads waits in its read until a long read has started, and a
     thread that finds the short reads taken leaves its chunk to the thread reading them (no deadlock, every chunk
     read)."""
+    monkeypatch.setattr(reader, "SHORT_READ_WAIT_SECONDS", float("inf"))  # however long they take here
     path, tensors = stored
     long_started = threading.Event()
     active, most = [0], [0]
@@ -210,6 +211,42 @@ def test_short_reads_are_read_by_one_thread_at_a_time(stored, monkeypatch):
     for _, out in short:
         assert torch.equal(out.view(torch.float32).view(8, 1024), tensors["wide"][box])
     assert torch.equal(long_out.view(torch.bfloat16).view(ROWS, COLUMNS), tensors["weight"])
+
+
+def test_short_reads_that_wait_on_a_disk_are_read_by_every_thread(stored, monkeypatch):
+    """Once a chunk of short reads took longer than ``SHORT_READ_WAIT_SECONDS`` a call, the next ones are read by
+    every thread at once (two of them meet inside their reads); once one is quick again, they go back to one thread."""
+    monkeypatch.setattr(reader, "SHORT_READ_WAIT_SECONDS", 0.0)  # every read waits on the disk
+    path, tensors = stored
+    meeting = threading.Barrier(2, timeout=30)
+    read_chunk = reader.read_chunk
+    waiting = []
+
+    def observed(chunk, target):
+        if waiting:
+            meeting.wait()  # broken (an error) unless another thread reads a chunk of short reads meanwhile
+        read_chunk(chunk, target)
+
+    monkeypatch.setattr(reader, "read_chunk", observed)
+    box = (slice(0, 8), slice(1024, 2048))
+    with open(path, "rb") as stream:
+        chunks = [_chunks(path, "wide", box, stream.fileno()) for _ in range(4)]
+        with reader.parallel_reads("cpu", threads=3) as reads:
+            reads.submit(chunks[0][0])  # read by one thread, and found to wait
+            deadline = time.monotonic() + 30
+            while not reads._short_reads_wait and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert reads._short_reads_wait
+            waiting.append(True)
+            reads.submit(chunks[1][0])
+            reads.submit(chunks[2][0])
+            reads.finish()
+            waiting.clear()
+            monkeypatch.setattr(reader, "SHORT_READ_WAIT_SECONDS", float("inf"))
+            reads.submit(chunks[3][0])  # quick: the next ones go to one thread again
+        assert not reads._short_reads_wait
+    for _, out in chunks:
+        assert torch.equal(out.view(torch.float32).view(8, 1024), tensors["wide"][box])
 
 
 def test_floor_seconds_on_the_cpu(stored):

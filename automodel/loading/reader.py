@@ -11,9 +11,11 @@ and the one synchronisation is at the end. Host memory beyond the shards: the po
 accelerator, at most one per thread on the host, and none when every read goes straight to its place).
 
 Chunks of short reads (the rows of a column band, one ``preadv`` each) are read by one thread at a time, while the
-others go on with the rest. A ``preadv`` of a few KiB takes about a microsecond, so threads that each make such calls
-spend their time handing the GIL to each other: two threads read them more slowly than one (see
-:data:`SHORT_READ_BYTES`).
+others go on with the rest. A ``preadv`` of a few KiB from the page cache takes about a microsecond, so threads that
+each make such calls spend their time handing the GIL to each other: two threads read them more slowly than one (see
+:data:`SHORT_READ_BYTES`). Short reads that wait on a disk are read by every thread at once, so that the waits
+overlap: each chunk of short reads is timed, and the next ones go to one thread only while they took less than
+:data:`SHORT_READ_WAIT_SECONDS` a call.
 
 CUDA is touched only when a destination is on a CUDA device (pinned buffers, the stream, events), so all of this runs
 and is tested on the CPU, where the same threads serve the copying path.
@@ -39,6 +41,7 @@ from .direct_read import ReadChunk, plan_chunks, read_chunk
 __all__ = [
     "MAX_READER_THREADS",
     "SHORT_READ_BYTES",
+    "SHORT_READ_WAIT_SECONDS",
     "ParallelReader",
     "StagingPool",
     "default_reader_threads",
@@ -60,6 +63,12 @@ MAX_READER_THREADS = 8
 #: (``o_proj``, ``down_proj``): its load from a cold page cache fell from 1.55-1.62 s to 1.32-1.34 s, against
 #: 1.07-1.11 s for the same rank under FSDP2 alone (docs/performance.md, "Short reads in one thread").
 SHORT_READ_BYTES = 16 << 10
+#: Short reads that took longer than this a call, on average over their chunk, waited on a disk: the next ones are
+#: read by every thread at once, so that the waits overlap. Measured per call (one rank, two threads): 2-8 KiB rows
+#: from the page cache or a sparse file 2.5-8.2 us (10th to 90th percentile of the chunks), the 8 KiB rows of a 3B
+#: checkpoint under TP=2 from a cold page cache on the machine's disk 21-162 us; that load took 3.9 s with its short
+#: reads in one thread and 2.8 s with them in both.
+SHORT_READ_WAIT_SECONDS = 20e-6
 
 
 def default_reader_threads() -> int:
@@ -160,9 +169,11 @@ class ParallelReader:
         self.threads = threads
         self._futures: list[Future] = []
         self._stream = None
-        # Chunks of short reads wait here for the one thread that reads them (the holder of the lock).
+        # Chunks of short reads wait here for the one thread that reads them (the holder of the lock), unless the
+        # last chunk of short reads waited on a disk.
         self._short: queue.SimpleQueue[ReadChunk] = queue.SimpleQueue()
         self._short_lock = threading.Lock()
+        self._short_reads_wait = False
         cuda = self.device.type == "cuda"
         self._pool = _pool(cuda, 2 * max(threads, 1) if cuda else max(threads, 1))
         if cuda:
@@ -193,6 +204,9 @@ class ParallelReader:
         if not _short_reads(chunk):
             self._read(chunk)
             return
+        if self._short_reads_wait:  # on a disk: in this thread, beside the other threads' short reads
+            self._read_short(chunk)
+            return
         # Queue it; if no other thread is reading short reads, read every queued one. A thread that finds the lock
         # held goes back to its other chunks: the holder reads this one too. The holder looks at the queue again
         # after letting go of the lock, so a chunk queued while it held the lock is not left behind.
@@ -204,11 +218,17 @@ class ParallelReader:
                         queued = self._short.get_nowait()
                     except queue.Empty:
                         break
-                    self._read(queued)
+                    self._read_short(queued)
             finally:
                 self._short_lock.release()
             if self._short.empty():
                 return
+
+    def _read_short(self, chunk: ReadChunk) -> None:
+        """Read a chunk of short reads, and note whether they waited on a disk."""
+        start = time.perf_counter()
+        self._read(chunk)
+        self._short_reads_wait = time.perf_counter() - start > SHORT_READ_WAIT_SECONDS * len(chunk.calls)
 
     def _read(self, chunk: ReadChunk) -> None:
         try:
