@@ -1,7 +1,7 @@
 """The reader threads (``automodel.loading.reader``): reads queued to them equal the same reads done at once and
 safetensors' own slicing, for dim-0 shards, column bands (rows read past their gaps), cast reads and reads split
-into many chunks; the staging pool stays bounded; chunks of short reads are read by one thread at a time; the GPU
-load floors run on the CPU."""
+into many chunks; the staging pool stays bounded; chunks of short reads are read by one thread at a time, unless
+they wait on a disk; the GPU load floors run on the CPU."""
 
 from __future__ import annotations
 
