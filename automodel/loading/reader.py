@@ -211,18 +211,20 @@ class ParallelReader:
         # held goes back to its other chunks: the holder reads this one too. The holder looks at the queue again
         # after letting go of the lock, so a chunk queued while it held the lock is not left behind.
         self._short.put(chunk)
-        while self._short_lock.acquire(blocking=False):
+        while not self._short.empty() and self._short_lock.acquire(blocking=False):
             try:
-                while True:
-                    try:
-                        queued = self._short.get_nowait()
-                    except queue.Empty:
-                        break
-                    self._read_short(queued)
+                self._read_queued_short()
             finally:
                 self._short_lock.release()
-            if self._short.empty():
+
+    def _read_queued_short(self) -> None:
+        """Read the queued chunks of short reads until none is left (the caller holds the lock)."""
+        while True:
+            try:
+                queued = self._short.get_nowait()
+            except queue.Empty:
                 return
+            self._read_short(queued)
 
     def _read_short(self, chunk: ReadChunk) -> None:
         """Read a chunk of short reads, and note whether they waited on a disk."""
