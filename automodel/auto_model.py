@@ -31,6 +31,7 @@ from automodel.distributed.tensor_parallel import set_user_tp_plan
 from automodel.keyword_arguments import check_loading_options, dtype_argument, unknown_keywords_error
 from automodel.loading import CheckpointPlan, read_json, resolve_checkpoint_dir
 from automodel.loading.hub import HubOptions, resolve_adapter_dir
+from automodel.loading.meta_build import init_skipped_on_meta
 from automodel.loading.pipeline import (
     build_on_every_rank,
     garbage_collection_paused,
@@ -273,7 +274,7 @@ class _NeMoAutoBase:
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
         model_class = cls._model_class(config)
-        with torch.device("meta"):
+        with torch.device("meta"), init_skipped_on_meta():
             if model_class is not None:
                 model = build_from_config(model_class, config, **kwargs)
             else:

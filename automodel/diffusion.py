@@ -25,6 +25,7 @@ from automodel._compat.transformers import build_from_config
 from automodel.distributed import MeshContext, ModelParallelizer
 from automodel.distributed.parallelizer import parallelizer_for
 from automodel.loading.agreement import agree_or_raise
+from automodel.loading.meta_build import init_skipped_on_meta
 from automodel.loading.pipeline import build_on_every_rank, load_parallelized
 
 __all__ = ["NeMoAutoDiffusionPipeline"]
@@ -213,7 +214,7 @@ def _build_on_meta(subfolder: Path, component_class: type, dtype: torch.dtype | 
     """
     if issubclass(component_class, PreTrainedModel):
         config = component_class.config_class.from_pretrained(subfolder)
-        with torch.device("meta"):
+        with torch.device("meta"), init_skipped_on_meta():
             return build_from_config(component_class, config, dtype=dtype or torch.float32)
     if not (hasattr(component_class, "load_config") and hasattr(component_class, "from_config")):
         raise TypeError(
