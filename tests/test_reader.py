@@ -261,7 +261,10 @@ def test_floor_seconds_on_the_cpu(stored):
     [
         (16, 16, None, 8),  # one process, not bound: one thread per core, at most MAX_READER_THREADS
         (16, 16, "4", 4),  # the node's cores shared among its ranks
-        (2, 2, "4", 1),  # more ranks than cores: at least one thread
+        (16, 16, "8", 2),
+        (16, 16, "16", 0),  # one core per rank: the reads in the thread that plans them
+        (2, 2, "4", 0),  # more ranks than cores: the same
+        (96, 1, "8", 0),  # bound to one core
         (96, 6, "8", 6),  # a rank bound to 6 cores (torchrun --numa-binding, taskset) has those to itself
     ],
 )

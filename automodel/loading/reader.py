@@ -73,14 +73,19 @@ SHORT_READ_WAIT_SECONDS = 20e-6
 
 def default_reader_threads() -> int:
     """Reader threads for this process: ``AUTOMODEL_READER_THREADS`` when set (0: as if unset), else one per core
-    this rank has to itself, from 1 to :data:`MAX_READER_THREADS`.
+    this rank has to itself, up to :data:`MAX_READER_THREADS`, and none (0: the thread that plans the reads does them)
+    where the rank has less than two cores to itself.
 
     A rank's cores are those it may run on (``sched_getaffinity``) when it is bound to fewer than the machine's,
     else the machine's shared among the node's ranks (``LOCAL_WORLD_SIZE``, as ``torchrun`` sets it): 8 ranks on a
     16-core node start 2 each, not 8 each for 16 cores. Threads beyond a rank's cores take turns on them with the
-    other ranks' threads. Where each rank has 8 cores or more (one GPU process on an H200 node) the count is 8, as
-    before; on the 2-core test machine, 4 ranks start 1 each instead of 2 (the 1.27 GB Llama: 1.53-1.85x the copying
-    floor, median 1.69x, against 1.68-1.81x, median 1.75x, in five interleaved pairs: within the noise).
+    other ranks' threads. Where each rank has 8 cores or more (one GPU process on an H200 node) the count is 8.
+
+    With less than two cores a reader thread cannot run beside the thread that plans the reads, and every chunk
+    handed to it costs a switch of thread and of the GIL: on the 2-core test machine, 4 ranks each reading their
+    303 MiB of a 1.27 GB Llama (the memory already faulted in, so that only the copies and the handing over are left)
+    took 61-85 ms of CPU with one reader thread and 48-57 ms reading in the calling thread. The reads stay in order
+    and double-buffered for a device either way (:class:`ParallelReader`).
     """
     configured = os.environ.get("AUTOMODEL_READER_THREADS", "").strip()
     if configured not in ("", "0"):
@@ -94,7 +99,7 @@ def default_reader_threads() -> int:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
     if usable >= machine:  # not bound to a part of the machine: share it with the node's other ranks
         usable //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return max(1, min(MAX_READER_THREADS, usable))
+    return min(MAX_READER_THREADS, usable) if usable >= 2 else 0
 
 
 _ACTIVE: ContextVar[ParallelReader | None] = ContextVar("automodel_active_reader", default=None)
