@@ -276,7 +276,9 @@ def test_a_restart_is_reported_as_one_and_the_run_goes_on_on_the_terminal(tmp_pa
     (log,) = (tmp_path / "logs").glob("sft-*.log")
     text = log.read_text()
     assert restart in text and resumed in text and "final loss" in text, text[-3000:]
-    assert "Traceback" in text, "the first attempt's errors are in the log file"
+    # torchrun's record of the dead worker, which the terminal leaves out. (Rank 0's own traceback is there only when
+    # its next collective failed before torchrun stopped it: a race, so it is not asserted.)
+    assert "failed (exitcode: -9) local_rank: 1" in text, "the first attempt's errors are in the log file"
     assert text.index(restart) < text.index(resumed) and "@@automodel" not in text
     assert not list((tmp_path / "logs").glob("*.failures")), "the report folder is removed"
 
