@@ -82,7 +82,7 @@ def default_reader_threads() -> int:
     other ranks' threads. Where each rank has 8 cores or more (one GPU process on an H200 node) the count is 8.
 
     With less than two cores a reader thread cannot run beside the thread that plans the reads, and every chunk
-    handed to it costs a switch of thread and of the GIL: on the 2-core test machine, 4 ranks each reading their
+    handed to it costs a switch of thread and of the GIL: on the 2-core test machine, rank 0 of 4 re-reading its
     303 MiB of a 1.27 GB Llama (the memory already faulted in, so that only the copies and the handing over are left)
     took 61-85 ms of CPU with one reader thread and 48-57 ms reading in the calling thread. The reads stay in order
     and double-buffered for a device either way (:class:`ParallelReader`).
