@@ -30,6 +30,18 @@ GRACE_AFTER_FAILURE_S = 5.0
 class RankFailure(AssertionError):
     """One or more ranks failed (or hung) while running a case."""
 
+    def brief(self, limit: int = 3000) -> str:
+        """The report cut to about ``limit`` characters for a sweep's summary: the headline and every rank's status
+        line (which rank died, with what exit code, or hung), then the end of the report. A bare tail would often
+        keep only a peer's "Connection closed by peer" and lose the rank that started it."""
+        report = str(self)
+        if len(report) <= limit:
+            return report
+        lines = report.splitlines()
+        statuses = [lines[0], *(line for line in lines[1:] if line.startswith("--- rank "))]
+        head = "\n".join(statuses)
+        return f"{head}\n[...]\n{report[-max(0, limit - len(head)) :]}"
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -131,7 +131,7 @@ def _sweep(pool: RankPool, cells: list[tuple[tuple[str, ...], str, str]]) -> dic
             results = pool.run(compositions.composition_cell, model, axes, modifier, timeout=timeout)
             answer, detail = _answer(results)
         except RankFailure as error:  # a crash or a hang: the pool starts again for the next cell
-            answer, detail = "FAILED", str(error)[-3000:]
+            answer, detail = "FAILED", error.brief()
         answers[(axes, modifier, model)] = answer
         name = f"{' x '.join(axes)} / {modifier} / {model}"
         print(f"{name}: {answer.partition(':')[0]} ({time.monotonic() - cell_started:.1f} s)")

@@ -43,3 +43,23 @@ def test_a_dead_rank_is_reported_with_its_exit_code(ranks2):
         ranks2.run(exit_on_rank_one)
     assert "--- rank 1: no answer (died with exit code 3)" in str(failure.value), failure.value
     assert ranks2.run(rank_id) == [0, 1]
+
+
+def test_a_failure_cut_short_keeps_every_rank_status():
+    """A sweep keeps a few thousand characters of a failure: the rank that died must survive the cut, though the
+    report ends with a peer's long traceback."""
+    report = "\n".join(
+        [
+            "case failed on the rank group of 2:",
+            "--- rank 0: no answer (died with exit code -11)",
+            "--- rank 1: error",
+            "Traceback ...\n" * 400 + "RuntimeError: Connection closed by peer",
+        ]
+    )
+    brief = RankFailure(report).brief(500)
+    assert brief.startswith(
+        "case failed on the rank group of 2:\n--- rank 0: no answer (died with exit code -11)\n--- rank 1: error\n[...]"
+    ), brief
+    assert brief.endswith("RuntimeError: Connection closed by peer") and len(brief) <= 520, brief
+    assert "died with exit code" not in report[-500:]  # what a bare tail would have kept
+    assert RankFailure("short").brief() == "short"

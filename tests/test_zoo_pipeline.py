@@ -43,7 +43,7 @@ def _answer(model_type: str, pool: RankPool) -> dict[str, Any]:
             timeout=SECONDS_PER_MODEL,
         )  # fmt: skip
     except RankFailure as failure:
-        return {"status": "failed", "why": str(failure)[-3000:]}
+        return {"status": "failed", "why": failure.brief()}
     refusals = {result.get("refused") for result in results}
     if refusals != {None}:
         if len(refusals) == 1:

@@ -93,8 +93,7 @@ def _run_chunk(pool: RankPool, model_types: list[str], layout: dict[str, Any]) -
         per_rank = pool.run(zoo_parity, model_types, layout, eval_mode, timeout=timeout)
     except RankFailure as failure:
         if len(model_types) == 1:
-            text = str(failure)
-            error = {"status": "error", "step": "rank group", "error_type": "RankFailure", "error": text[-1500:]}
+            error = {"status": "error", "step": "rank group", "error_type": "RankFailure", "error": failure.brief(1500)}
             return {model_types[0]: {**error, "where": "a rank hung or died"}}
         results: dict[str, dict[str, Any]] = {}
         for model_type in model_types:

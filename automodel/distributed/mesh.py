@@ -100,10 +100,25 @@ def _meshes(
     return _MESHES[key]
 
 
+# The other groups the project creates (a pipeline's tied-embedding groups), reused the same way: loading the same
+# model again must not add groups, each with its own connections and transport threads.
+_GROUPS: dict[tuple, object] = {}
+
+
+def reused_groups(key: tuple, create: Callable[[], object]) -> object:
+    """``create()`` the first time ``key`` is asked for on the current default process group; its result after. Creating
+    a group is collective: every rank asks for the same keys in the same order."""
+    full_key = (default_process_group(), *key)
+    if full_key not in _GROUPS:
+        _GROUPS[full_key] = create()
+    return _GROUPS[full_key]
+
+
 def forget_meshes() -> None:
-    """Drop the cached meshes (before destroying the process group they were built on, e.g. a simulated rank of
-    ``automodel.plan``)."""
+    """Drop the cached meshes and groups (before destroying the process group they were built on, e.g. a simulated
+    rank of ``automodel.plan``)."""
     _MESHES.clear()
+    _GROUPS.clear()
 
 
 def _flatten_dense_axes(mesh: DeviceMesh) -> dict[str, DeviceMesh]:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .mesh import reused_groups
 from .pipeline_layout import PipelineLayout
 
 __all__ = ["check_tied_layouts", "embedding_group", "sum_tied_gradients", "tied_layouts", "tied_pairs"]
@@ -79,19 +80,22 @@ def check_tied_layouts(layouts: list[TiedLayouts], tied: list[tuple[str, str]]) 
 def embedding_group(layout: PipelineLayout) -> Any:
     """The process groups of the first and the last stage's ranks, ``(pp=first, c)`` and ``(pp=last, c)``, for every
     stage-group coordinate ``c``; this rank's one (every rank must create every group, in the same order). ``None``
-    when one pipeline rank holds both stages."""
+    when one pipeline rank holds both stages. Created once per layout and default group, like the meshes."""
     first, last = layout.stage_rank(0), layout.stage_rank(layout.num_stages - 1)
     if first == last:
         return None
-    world = dist.get_world_size()
-    per_stage = world // layout.size
-    mine = None
-    for coordinate in range(per_stage):
-        ranks = [first * per_stage + coordinate, last * per_stage + coordinate]
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
+    per_stage = dist.get_world_size() // layout.size
+
+    def create() -> Any:
+        mine = None
+        for coordinate in range(per_stage):
+            ranks = [first * per_stage + coordinate, last * per_stage + coordinate]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+
+    return reused_groups(("embedding", per_stage, first, last), create)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

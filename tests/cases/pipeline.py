@@ -133,11 +133,13 @@ def _same_everywhere(value: torch.Tensor) -> bool:
 def tied_after_steps(layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
     """A tiny Llama with tied embeddings, ``steps`` AdamW steps under ``layout`` and in one plain process: the
     largest difference between the pipelined embedding (first stage) and head (last stage) weights, and between
-    each and the plain model's tied weight."""
+    each and the plain model's tied weight; and how many process groups the load created."""
     reference = plain_model("llama", tie=True)
     directory = _saved(reference)
+    groups_before = len(dist.distributed_c10d._world.pg_map)
     context = MeshContext.build(**layout)
     model = NeMoAutoModelForCausalLM.from_pretrained(directory, mesh_context=context).train()
+    groups_added = len(dist.distributed_c10d._world.pg_map) - groups_before
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     plain_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     batch = token_batch(8, 8)
@@ -159,6 +161,7 @@ def tied_after_steps(layout: dict[str, Any], steps: int = 3) -> dict[str, Any]:
         "copies": len(held),
         "between_copies": max((held[0] - tensor).abs().max().item() for tensor in held),
         "from_plain": max((plain - tensor).abs().max().item() for tensor in held),
+        "groups_added": groups_added,
     }
 
 
