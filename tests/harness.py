@@ -69,6 +69,9 @@ def _worker(rank: int, world_size: int, port: int, stack_dir: str, tasks: mp.Que
     # under test takes SIGUSR1) and quoted in the failure report, so a hang in CI names the collective it waits in.
     stacks = open(_stack_file(stack_dir, rank), "w")  # noqa: SIM115 - open for the worker's lifetime
     faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+    # A rank killed by a crash in native code (a segfault in a gloo transport thread) writes every thread's Python
+    # stack there too: the report then says what the rank was doing, not only its exit code.
+    faulthandler.enable(file=stacks, all_threads=True)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=CASE_TIMEOUT_S))
@@ -130,11 +133,17 @@ class RankPool:
         return [outcomes[rank][1] for rank in range(self.world_size)]
 
     def _stacks_of_silent_ranks(self, outcomes: dict[int, tuple[str, Any]]) -> dict[int, str]:
-        """Every thread's Python stack in each live rank that did not answer (faulthandler's dump on SIGUSR2)."""
+        """Every thread's Python stack in each rank that did not answer: a live one's on SIGUSR2, a dead one's as
+        faulthandler wrote it when a fatal signal ended it (none for a rank that exited)."""
         silent = [rank for rank, process in enumerate(self._processes) if rank not in outcomes and process.is_alive()]
         for rank in silent:
             os.kill(self._processes[rank].pid, signal.SIGUSR2)
         stacks: dict[int, str] = {}
+        for rank, process in enumerate(self._processes):
+            if rank not in outcomes and not process.is_alive():
+                with open(_stack_file(self._stack_dir, rank)) as dump:
+                    if text := dump.read():
+                        stacks[rank] = text.rstrip()
         deadline = time.monotonic() + GRACE_AFTER_FAILURE_S
         while len(stacks) < len(silent) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.cases.harness import exit_on_rank_one, stall_on_rank_one
+from tests.cases.harness import crash_on_rank_one, exit_on_rank_one, stall_on_rank_one
 from tests.cases.hooks import fail_on_rank, rank_id
 from tests.harness import RankFailure
 
@@ -42,6 +42,16 @@ def test_a_dead_rank_is_reported_with_its_exit_code(ranks2):
     with pytest.raises(RankFailure) as failure:
         ranks2.run(exit_on_rank_one)
     assert "--- rank 1: no answer (died with exit code 3)" in str(failure.value), failure.value
+    assert ranks2.run(rank_id) == [0, 1]
+
+
+def test_a_rank_killed_by_a_crash_is_reported_with_its_stack(ranks2):
+    """A segfault in native code (as in a gloo transport thread) names the signal and where the rank's Python was."""
+    with pytest.raises(RankFailure) as failure:
+        ranks2.run(crash_on_rank_one)
+    report = str(failure.value)
+    assert "--- rank 1: no answer (died with exit code -11)\nits Python stacks (faulthandler):" in report, report
+    assert "Segmentation fault" in report and "in crash_on_rank_one" in report, report
     assert ranks2.run(rank_id) == [0, 1]
 
 

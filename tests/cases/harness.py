@@ -20,3 +20,12 @@ def exit_on_rank_one() -> int:
     if dist.get_rank() == 1:
         os._exit(3)
     return dist.get_rank()
+
+
+def crash_on_rank_one() -> int:
+    """Rank 1 dies of a segmentation fault (as a crash in native code would); the others answer."""
+    if dist.get_rank() == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    return dist.get_rank()
