@@ -40,7 +40,8 @@ class RankFailure(AssertionError):
         lines = report.splitlines()
         statuses = [lines[0], *(line for line in lines[1:] if line.startswith("--- rank "))]
         head = "\n".join(statuses)
-        return f"{head}\n[...]\n{report[-max(0, limit - len(head)) :]}"
+        tail = limit - len(head)
+        return f"{head}\n[...]\n{report[-tail:]}" if tail > 0 else head
 
 
 def _free_port() -> int:

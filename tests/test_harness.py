@@ -73,3 +73,5 @@ def test_a_failure_cut_short_keeps_every_rank_status():
     assert brief.endswith("RuntimeError: Connection closed by peer") and len(brief) <= 520, brief
     assert "died with exit code" not in report[-500:]  # what a bare tail would have kept
     assert RankFailure("short").brief() == "short"
+    # Status lines longer than the limit are kept whole, without a tail.
+    assert RankFailure(report).brief(10) == "\n".join(report.splitlines()[:3])
