@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch import nn
@@ -65,9 +65,20 @@ def _check_compile(value: bool | str) -> bool | str:
     return value
 
 
-# Every mesh axis is a process group with its own transport threads; building the same layout again (a new
-# MeshContext for another model, a notebook cell run twice) reuses the groups instead of piling up new ones.
-_MESHES: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None, DeviceMesh | None]] = {}
+# Every mesh axis is a process group with its own transport threads, and so is every other group the project
+# creates (a pipeline's tied-embedding groups): building the same layout again (a new MeshContext for another model,
+# a notebook cell run twice, a second load) reuses them instead of piling up new ones.
+_GROUPS: dict[tuple, Any] = {}
+
+
+def reused_groups(key: tuple, create: Callable[[], Any]) -> Any:
+    """``create()`` the first time ``key`` is asked for on the current default process group; its result after.
+    Creating a group is collective: every rank asks for the same keys in the same order. The group object itself (not
+    its id) is in the key: a destroyed and re-created default group gets new groups."""
+    full_key = (default_process_group(), *key)
+    if full_key not in _GROUPS:
+        _GROUPS[full_key] = create()
+    return _GROUPS[full_key]
 
 
 def _meshes(
@@ -77,9 +88,8 @@ def _meshes(
     axis first (``("pp", *DENSE_AXES)``): slicing a dense or flattened axis out of it gives this rank's stage group's
     mesh of that axis, and the flattened axes are registered on it (as the hook signature needs: a root mesh and
     axis names)."""
-    # The group object itself (not its id) is in the key: a destroyed and re-created default group gets new meshes.
-    key = (default_process_group(), device_type, shape, ep_size, pp_size)
-    if key not in _MESHES:
+
+    def create() -> tuple[DeviceMesh, dict[str, DeviceMesh], DeviceMesh | None, DeviceMesh | None]:
         pp_mesh = None
         if pp_size > 1:
             mesh = init_device_mesh(device_type, (pp_size, *shape), mesh_dim_names=("pp", *DENSE_AXES))
@@ -96,28 +106,14 @@ def _meshes(
         elif ep_size > 1:
             world_size = mesh.size()
             moe_mesh = init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=MOE_AXES)
-        _MESHES[key] = (mesh, _flatten_dense_axes(mesh), moe_mesh, pp_mesh)
-    return _MESHES[key]
+        return mesh, _flatten_dense_axes(mesh), moe_mesh, pp_mesh
 
-
-# The other groups the project creates (a pipeline's tied-embedding groups), reused the same way: loading the same
-# model again must not add groups, each with its own connections and transport threads.
-_GROUPS: dict[tuple, object] = {}
-
-
-def reused_groups(key: tuple, create: Callable[[], object]) -> object:
-    """``create()`` the first time ``key`` is asked for on the current default process group; its result after. Creating
-    a group is collective: every rank asks for the same keys in the same order."""
-    full_key = (default_process_group(), *key)
-    if full_key not in _GROUPS:
-        _GROUPS[full_key] = create()
-    return _GROUPS[full_key]
+    return reused_groups(("meshes", device_type, shape, ep_size, pp_size), create)
 
 
 def forget_meshes() -> None:
     """Drop the cached meshes and groups (before destroying the process group they were built on, e.g. a simulated
     rank of ``automodel.plan``)."""
-    _MESHES.clear()
     _GROUPS.clear()
 
 
