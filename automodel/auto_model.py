@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -29,8 +32,8 @@ from automodel.distributed import MeshContext
 from automodel.distributed.runtime import log_rank_zero
 from automodel.distributed.tensor_parallel import set_user_tp_plan
 from automodel.keyword_arguments import check_loading_options, dtype_argument, unknown_keywords_error
-from automodel.loading import CheckpointPlan, read_json, resolve_checkpoint_dir
-from automodel.loading.hub import HubOptions, resolve_adapter_dir
+from automodel.loading import CheckpointPlan, read_json, resolve_checkpoint_dir, stored_dtype
+from automodel.loading.hub import HubOptions, resolve_adapter_dir, resolve_config_dir
 from automodel.loading.meta_build import init_skipped_on_meta
 from automodel.loading.pipeline import (
     build_on_every_rank,
@@ -67,10 +70,11 @@ class _NeMoAutoBase:
     @garbage_collection_paused()
     def from_pretrained(
         cls,
-        name_or_path: str | os.PathLike,
+        pretrained_model_name_or_path: str | os.PathLike,
         *,
         mesh_context: MeshContext | None = None,
-        dtype: torch.dtype | str | None = None,
+        config: PretrainedConfig | str | os.PathLike | None = None,
+        dtype: torch.dtype | str | dict[str, torch.dtype | str] | None = None,
         revision: str | None = None,
         cache_dir: str | os.PathLike | None = None,
         local_files_only: bool = False,
@@ -104,7 +108,10 @@ class _NeMoAutoBase:
         (``quant_method`` ``fp8`` / ``mxfp4`` in its config) is dequantized to ``dtype`` while it is read, each rank
         reading the codes and scales of its own shards; other methods are refused (see ``automodel.loading.quantized``).
 
-        ``dtype`` (``"auto"`` by default: the config's), ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
+        ``config`` (a config object, or the folder or hub id of one) replaces the checkpoint's ``config.json``, as in
+        transformers; keyword overrides apply on top of (a copy of) it.
+
+        ``dtype`` (``"auto"`` by default: the config's, else the checkpoint's), ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
         ``trust_remote_code``, ``attn_implementation``, ``force_download``, ``use_safetensors``, ``subfolder``,
         ``variant`` and ``generation_config`` mean what they mean in transformers; ``dtype`` wins over the deprecated
         ``torch_dtype``. Other keywords override attributes of the config, as in transformers; one that is not an
@@ -124,15 +131,19 @@ class _NeMoAutoBase:
             use_safetensors=use_safetensors,
             variant=variant,
         )
+        name_or_path = pretrained_model_name_or_path
         directory = resolve_checkpoint_dir(name_or_path, hub)
 
         quantization: list[QuantizationScheme | None] = [None]
 
         def build() -> nn.Module:
-            config = load_config(name_or_path, directory, trust_remote_code, config_overrides)
+            model_config = load_config(name_or_path, directory, trust_remote_code, config_overrides, config, hub)
             # A quantized checkpoint builds the unquantized model; its weights are dequantized while they are read.
-            quantization[0] = pop_quantization_scheme(config)
-            model = cls._build_on_meta(config, _resolve_dtype(dtype, config), attn_implementation, trust_remote_code)
+            quantization[0] = pop_quantization_scheme(model_config)
+            model_dtype = _resolve_dtype(
+                dtype, model_config, lambda: stored_dtype(directory, use_safetensors=use_safetensors, variant=variant)
+            )
+            model = cls._build_on_meta(model_config, model_dtype, attn_implementation, trust_remote_code)
             if hasattr(model, "generation_config"):
                 model.generation_config = generation_config or _generation_config(directory, model)
             return model
@@ -358,14 +369,31 @@ class NeMoAutoModelForSequenceClassification(_NeMoAutoBase):
     _auto_mapping = transformers.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 
-def _resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:
-    """``"auto"``: the dtype the config records (as transformers does), else float32."""
+def _resolve_dtype(
+    dtype: torch.dtype | str | dict[str, torch.dtype | str],
+    config: PretrainedConfig,
+    stored: Callable[[], torch.dtype | None] | None = None,
+) -> torch.dtype:
+    """transformers' rule. ``"auto"``: the dtype the config records, else the checkpoint's (``stored()``: that of its
+    first floating-point tensor), else float32. A dict (transformers' deprecated per-sub-config dtypes) gives its
+    ``""`` entry to the whole model, with transformers' warning."""
+    if isinstance(dtype, dict):
+        main = dtype.get("", torch.get_default_dtype())
+        warnings.warn(
+            "Using different dtypes per module is deprecated and will be removed in future versions; setting "
+            f"dtype={main} for all modules.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        dtype = main
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(recorded, str):
             recorded = getattr(torch, recorded, None)
+        if not isinstance(recorded, torch.dtype) and stored is not None:
+            recorded = stored()
         return recorded if isinstance(recorded, torch.dtype) else torch.float32
     resolved = getattr(torch, str(dtype), None)
     if not isinstance(resolved, torch.dtype):
@@ -374,10 +402,36 @@ def _resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.
 
 
 def load_config(
-    name_or_path: str | os.PathLike, directory: Path, trust_remote_code: bool, overrides: dict[str, Any]
+    name_or_path: str | os.PathLike,
+    directory: Path,
+    trust_remote_code: bool,
+    overrides: dict[str, Any],
+    config: PretrainedConfig | str | os.PathLike | None = None,
+    hub: HubOptions | None = None,
 ) -> PretrainedConfig:
-    """The checkpoint's config in ``directory`` (of ``name_or_path``) with ``overrides`` applied; a keyword that is
-    not a config attribute is an error."""
+    """The model's config with ``overrides`` applied (a keyword that is not a config attribute is an error): the
+    checkpoint's ``config.json`` in ``directory`` (of ``name_or_path``), or what ``config`` gives instead, as in
+    transformers: a copy of a config object, or the config of another folder or hub id (fetched with ``hub``'s
+    options). The model's ``name_or_path`` is ``name_or_path``, as transformers records it."""
+    if isinstance(config, PretrainedConfig):
+        loaded = copy.deepcopy(config)
+        unused = {key: value for key, value in overrides.items() if not hasattr(loaded, key)}
+        for key, value in overrides.items():
+            if key not in unused:
+                setattr(loaded, key, value)
+    else:
+        source, where = (name_or_path, directory) if config is None else (config, resolve_config_dir(config, hub))
+        loaded, unused = _config_in(source, where, trust_remote_code, overrides)
+    if unused:
+        raise unknown_keywords_error(unused, loaded)
+    loaded.name_or_path = str(name_or_path)
+    return loaded
+
+
+def _config_in(
+    name_or_path: str | os.PathLike, directory: Path, trust_remote_code: bool, overrides: dict[str, Any]
+) -> tuple[PretrainedConfig, dict[str, Any]]:
+    """The ``config.json`` in ``directory`` with ``overrides`` applied, and the overrides it has no attribute for."""
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json, so {name_or_path} is not a transformers checkpoint.")
@@ -395,12 +449,9 @@ def load_config(
                 f"{name_or_path} (model_type={model_type!r}) ships its own modeling code, and loading it runs that "
                 "code. Pass trust_remote_code=True if you trust it."
             )
-    config, unused = AutoConfig.from_pretrained(
+    return AutoConfig.from_pretrained(
         directory, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
     )
-    if unused:
-        raise unknown_keywords_error(unused, config)
-    return config
 
 
 def _read_adapter(lora_adapter: Any, peft_config: Any, hub: HubOptions) -> LoraAdapter | None:

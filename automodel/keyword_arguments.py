@@ -33,17 +33,45 @@ _QUANTIZATION = ("load_in_8bit", "load_in_4bit", "quantization_config")
 _UNSUPPORTED = {
     "gguf_file": "GGUF weights are not read here: convert them to safetensors first (tools/convert_smollm2_gguf.py)",
     "state_dict": "weights come from the checkpoint directory, read slice by slice; save the state dict there first",
-    "ignore_mismatched_sizes": "a shape that disagrees with the config is an error; pass strict=False to "
-    "initialise missing tensors instead",
+    "ignore_mismatched_sizes": "a tensor whose shape disagrees with the config is an error; give the config the "
+    "checkpoint's sizes, or load the checkpoint as it is and replace the module afterwards",
     "adapter_name": "pass a peft LoraConfig as peft_config",
     "adapter_kwargs": "pass a peft LoraConfig as peft_config",
     "key_mapping": "checkpoint keys are mapped with transformers' own conversion mapping for the architecture",
     "use_kernels": "hub kernels are not loaded here",
     "kernel_config": "hub kernels are not loaded here",
+    "allow_all_kernels": "hub kernels are not loaded here",
     "output_loading_info": "rank 0 logs what was loaded; strict=True (the default) refuses missing keys",
     "from_tf": "only PyTorch checkpoints (safetensors or .bin) are read",
     "from_flax": "only PyTorch checkpoints (safetensors or .bin) are read",
+    "weights_only": ".bin checkpoints are always unpickled with weights_only=True (tensors only, no code); convert "
+    "the checkpoint to safetensors",
+    "proxies": "the hub is reached through huggingface_hub's own settings: set HTTPS_PROXY / HTTP_PROXY instead",
+    "fusion_config": "the model is built as its class defines it",
+    "experts_implementation": "the experts run as the model class (or its sidecar, under expert parallelism) defines "
+    "them",
+    "tqdm_class": "rank 0 reports the load's progress itself",
+    "disable_mmap": "checkpoint files are read with positioned reads into each rank's shards, not memory-mapped",
 }
+# transformers' defaults of the options above (the value that asks for nothing): a wrapper that always passes them
+# (TRL passes device_map=None and quantization_config=None) is not refused. Those not listed default to None.
+_OFF_VALUES: dict[str, Any] = {
+    "offload_buffers": False,
+    "load_in_8bit": False,
+    "load_in_4bit": False,
+    "ignore_mismatched_sizes": False,
+    "adapter_name": "default",
+    "adapter_kwargs": {},
+    "use_kernels": False,
+    "allow_all_kernels": False,
+    "output_loading_info": False,
+    "from_tf": False,
+    "from_flax": False,
+    "weights_only": True,
+    "disable_mmap": False,
+}
+# Options transformers' from_pretrained still accepts and ignores (they did something in earlier releases).
+_IGNORED_AS_IN_TRANSFORMERS = ("mirror", "_fast_init", "offload_state_dict")
 # Honoured: the named parameters of from_pretrained (listed for the close-match suggestions).
 LOADING_OPTIONS = (
     "mesh_context",
@@ -68,9 +96,17 @@ LOADING_OPTIONS = (
 
 
 def check_loading_options(kwargs: dict[str, Any], *, with_mesh: bool = True) -> dict[str, Any]:
-    """Refuse the keywords that conflict with a mesh (``with_mesh``: whether one was passed) or are not supported;
-    return the rest, which must be config attributes (checked once the config is read, :func:`unknown_keywords_error`)."""
-    for key in kwargs:
+    """Refuse the keywords that conflict with a mesh (``with_mesh``: whether one was passed) or are not supported,
+    unless they hold transformers' default (``None``, ``False``: they ask for nothing); drop those and the ones
+    transformers ignores; return the rest, which must be config attributes (checked once the config is read,
+    :func:`unknown_keywords_error`)."""
+    remaining = {}
+    for key, value in kwargs.items():
+        if key in _IGNORED_AS_IN_TRANSFORMERS or (key == "low_cpu_mem_usage" and (value is None or value is True)):
+            continue
+        refused = key in _CONFLICTS_WITH_MESH or key in _QUANTIZATION or key in _UNSUPPORTED
+        if refused and _asks_for_nothing(key, value):
+            continue
         if key in _CONFLICTS_WITH_MESH and with_mesh:
             raise ValueError(f"from_pretrained({key}=...) cannot be combined with a mesh: {_CONFLICTS_WITH_MESH[key]}.")
         if key in _CONFLICTS_WITH_MESH:
@@ -89,12 +125,18 @@ def check_loading_options(kwargs: dict[str, Any], *, with_mesh: bool = True) -> 
             )
         if key in _UNSUPPORTED:
             raise ValueError(f"from_pretrained({key}=...) is not supported: {_UNSUPPORTED[key]}.")
-    if kwargs.get("low_cpu_mem_usage", True) is not True:
-        raise ValueError(
-            "from_pretrained(low_cpu_mem_usage=False) is not supported: the model is always built on the meta device "
-            "and every rank reads only its own shards."
-        )
-    return {key: value for key, value in kwargs.items() if key != "low_cpu_mem_usage"}
+        if key == "low_cpu_mem_usage":
+            raise ValueError(
+                f"from_pretrained(low_cpu_mem_usage={value!r}) is not supported: the model is always built on the meta "
+                "device and every rank reads only its own shards (low_cpu_mem_usage=True, or leave it out)."
+            )
+        remaining[key] = value
+    return remaining
+
+
+def _asks_for_nothing(key: str, value: Any) -> bool:
+    """Whether ``value`` is transformers' default for the option ``key`` (``None`` always is)."""
+    return value is None or (key in _OFF_VALUES and type(value) is type(_OFF_VALUES[key]) and value == _OFF_VALUES[key])
 
 
 def unknown_keywords_error(unknown: Iterable[str], config: PretrainedConfig) -> TypeError:

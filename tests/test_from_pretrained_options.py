@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from automodel.auto_model import NeMoAutoModelForCausalLM
 from automodel.loading import MissingCheckpointFileError
@@ -65,13 +65,65 @@ def test_without_a_mesh_the_refusal_says_what_loads_instead(checkpoint):
         ("tp_size", 2, "MeshContext.build(tp_size=...)"),
         ("low_cpu_mem_usage", False, "always built on the meta device"),
         ("gguf_file", "model.gguf", "convert them to safetensors first"),
-        ("ignore_mismatched_sizes", True, "strict=False"),
+        ("ignore_mismatched_sizes", True, "give the config the checkpoint's sizes"),
+        ("weights_only", False, "always unpickled with weights_only=True"),
+        ("output_loading_info", True, "rank 0 logs what was loaded"),
     ],
 )
 def test_options_a_mesh_replaces_and_quantization_are_refused(checkpoint, keyword, value, expected):
     with pytest.raises(ValueError, match=rf"from_pretrained\({keyword}=") as error:
         NeMoAutoModelForCausalLM.from_pretrained(checkpoint, **{keyword: value})
     assert expected in str(error.value), error.value
+
+
+# transformers' defaults of the options refused above: they ask for nothing, and wrappers pass them always (TRL passes
+# device_map=None and quantization_config=None).
+OFF_VALUES = {
+    "device_map": None,
+    "quantization_config": None,
+    "max_memory": None,
+    "offload_buffers": False,
+    "load_in_8bit": False,
+    "output_loading_info": False,
+    "ignore_mismatched_sizes": False,
+    "gguf_file": None,
+    "key_mapping": None,
+    "state_dict": None,
+    "adapter_name": "default",
+    "weights_only": True,
+    "low_cpu_mem_usage": None,
+    "offload_state_dict": True,  # transformers ignores it altogether
+}
+
+
+def test_the_values_that_ask_for_nothing_are_accepted(checkpoint):
+    with pytest.raises(ValueError, match=r"low_cpu_mem_usage=False\) is not supported"):
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, low_cpu_mem_usage=False)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, **OFF_VALUES)
+    assert torch.equal(_logits(model), _logits(AutoModelForCausalLM.from_pretrained(checkpoint)))
+
+
+def test_a_config_object_or_folder_replaces_the_checkpoints_config(checkpoint, tmp_path):
+    config = AutoConfig.from_pretrained(checkpoint)
+    config.rms_norm_eps = 1e-2
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, config=config, use_cache=False)
+    assert model.config.rms_norm_eps == 1e-2 and model.config.use_cache is False
+    assert config.use_cache is True, "the caller's config object was changed"
+    assert model.config.name_or_path == str(checkpoint)
+    assert torch.equal(_logits(model), _logits(AutoModelForCausalLM.from_pretrained(checkpoint, config=config)))
+    config.save_pretrained(tmp_path)
+    from_folder = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, config=tmp_path)
+    assert from_folder.config.rms_norm_eps == 1e-2 and torch.equal(_logits(from_folder), _logits(model))
+    with pytest.raises(TypeError, match="'rms_norm_epss'"):
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, config=config, rms_norm_epss=1e-3)
+
+
+def test_transformers_names_of_the_arguments(checkpoint):
+    model = NeMoAutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path=checkpoint)
+    assert model.name_or_path == model.config.name_or_path == str(checkpoint)
+    with pytest.warns(FutureWarning, match="different dtypes per module is deprecated"):
+        model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, dtype={"": torch.bfloat16})
+    assert model.dtype == torch.bfloat16
 
 
 def test_low_cpu_mem_usage_true_is_what_loading_does_anyway(checkpoint):

@@ -3,7 +3,14 @@
 Importing it registers the consolidated writer behind ``save_pretrained`` / ``push_to_hub`` of parallelized models.
 """
 
-from .checkpoint_files import CheckpointError, CheckpointFiles, MissingCheckpointFileError, open_checkpoint, read_json
+from .checkpoint_files import (
+    CheckpointError,
+    CheckpointFiles,
+    MissingCheckpointFileError,
+    open_checkpoint,
+    read_json,
+    stored_dtype,
+)
 from .hub import resolve_checkpoint_dir
 from .loader import CheckpointPlan, load_checkpoint, materialize, plan_checkpoint
 from .save_pretrained import ConsolidatedCheckpointWriter
@@ -22,4 +29,5 @@ __all__ = [
     "plan_checkpoint",
     "read_json",
     "resolve_checkpoint_dir",
+    "stored_dtype",
 ]

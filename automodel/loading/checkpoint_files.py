@@ -28,6 +28,7 @@ __all__ = [
     "open_checkpoint",
     "open_safetensors_file",
     "read_json",
+    "stored_dtype",
     "weight_files",
 ]
 
@@ -35,15 +36,22 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
-# The weight files a directory may hold, in the order they are looked for: (index, single file, kind). transformers
-# names them model.* / pytorch_model.*, diffusers components diffusion_pytorch_model.*.
+# The weight files a directory may hold, in the order they are looked for: (file name, kind, whether it is an
+# index). transformers names them model.* / pytorch_model.* and takes the single file before the index (its
+# _get_resolved_checkpoint_files); diffusers names a component's diffusion_pytorch_model.* and takes the index first
+# (ModelMixin.from_pretrained).
 WEIGHT_FILES = [
-    (SAFE_INDEX, SAFE_SINGLE, "safetensors"),
-    ("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors", "safetensors"),
-    (BIN_INDEX, BIN_SINGLE, "bin"),
-    ("diffusion_pytorch_model.bin.index.json", "diffusion_pytorch_model.bin", "bin"),
+    (SAFE_SINGLE, "safetensors", False),
+    (SAFE_INDEX, "safetensors", True),
+    ("diffusion_pytorch_model.safetensors.index.json", "safetensors", True),
+    ("diffusion_pytorch_model.safetensors", "safetensors", False),
+    (BIN_SINGLE, "bin", False),
+    (BIN_INDEX, "bin", True),
+    ("diffusion_pytorch_model.bin.index.json", "bin", True),
+    ("diffusion_pytorch_model.bin", "bin", False),
 ]
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model"
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors refuses larger headers: such a length is garbage, not truncation
 
 
@@ -256,8 +264,8 @@ def _checked_header(path: Path) -> SafetensorsHeader | None:
 
 def weight_files(
     use_safetensors: bool | None = None, variant: str | None = None, *, diffusers: bool = True
-) -> list[tuple[str, str, str]]:
-    """The ``(index, single file, kind)`` names to look for, in order, as transformers chooses them.
+) -> list[tuple[str, str, bool]]:
+    """The ``(file name, kind, is an index)`` to look for, in the order transformers (and diffusers) looks for them.
 
     ``use_safetensors``: ``None`` prefers safetensors and falls back to ``.bin``, ``True`` takes safetensors only,
     ``False`` ``.bin`` only. ``variant`` (e.g. ``"fp16"``) selects ``model.fp16.safetensors`` /
@@ -266,9 +274,9 @@ def weight_files(
     """
     kinds = {None: ("safetensors", "bin"), True: ("safetensors",), False: ("bin",)}[use_safetensors]
     return [
-        (_with_variant(index_name, variant), _with_variant(single_name, variant), kind)
-        for index_name, single_name, kind in WEIGHT_FILES
-        if kind in kinds and (diffusers or not single_name.startswith(DIFFUSERS_WEIGHTS))
+        (_with_variant(name, variant), kind, is_index)
+        for name, kind, is_index in WEIGHT_FILES
+        if kind in kinds and (diffusers or not name.startswith(DIFFUSERS_WEIGHTS))
     ]
 
 
@@ -287,27 +295,47 @@ def open_checkpoint(
     every key to its file."""
     directory = Path(directory)
     candidates = weight_files(use_safetensors, variant)
-    for index_name, single_name, kind in candidates:
-        if (directory / index_name).is_file():
-            weight_map = _read_index(directory / index_name)
-            missing = sorted({name for name in weight_map.values() if not (directory / name).is_file()})
+    for name, kind, is_index in candidates:
+        if not (directory / name).is_file():
+            continue
+        if is_index:
+            weight_map = _read_index(directory / name)
+            missing = sorted({shard for shard in weight_map.values() if not (directory / shard).is_file()})
             if missing:
                 raise MissingCheckpointFileError(
-                    f"{directory / index_name} names files that are not in {directory}: {missing}. The download is "
+                    f"{directory / name} names files that are not in {directory}: {missing}. The download is "
                     "incomplete: fetch the checkpoint again."
                 )
             return CheckpointFiles(directory, weight_map, kind)
-        if (directory / single_name).is_file():
-            files = CheckpointFiles(directory, {}, kind)
-            files.key_to_file = dict.fromkeys(_single_file_keys(directory / single_name, files, kind), single_name)
-            return files
-    expected = ", ".join(name for index_name, single_name, _ in candidates for name in (single_name, index_name))
+        files = CheckpointFiles(directory, {}, kind)
+        files.key_to_file = dict.fromkeys(_single_file_keys(directory / name, files, kind), name)
+        return files
+    expected = ", ".join(name for name, _, _ in candidates)
     chosen = "".join(
         f" ({option}={value!r})"
         for option, value in (("use_safetensors", use_safetensors), ("variant", variant))
         if value is not None
     )
     raise MissingCheckpointFileError(f"No weights in {directory}{chosen}: expected one of {expected}.")
+
+
+def stored_dtype(
+    directory: Path, *, use_safetensors: bool | None = None, variant: str | None = None
+) -> torch.dtype | None:
+    """The dtype transformers' ``dtype="auto"`` takes when the config records none: that of the first tensor of the
+    checkpoint's first file (by name) that is stored in a float dtype a model is built in (fp32, fp16, bf16, fp64; not
+    the float8 codes of a quantized checkpoint), in the order the file lists its tensors; ``None`` without one."""
+    files = open_checkpoint(directory, use_safetensors=use_safetensors, variant=variant)
+    try:
+        first = min(files.key_to_file.values(), default=None)
+        keys = [] if first is None else files._handle(first).keys()
+        for key in keys:
+            dtype = files.dtype(key)
+            if dtype in MODEL_DTYPES:
+                return dtype
+        return None
+    finally:
+        files.close()
 
 
 def open_safetensors_file(path: Path) -> CheckpointFiles:

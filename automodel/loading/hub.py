@@ -35,7 +35,7 @@ METADATA_PATTERNS = [
     "chat_template*",
 ]
 # The weight files are the ones transformers loads, in the order checkpoint_files.open_checkpoint looks for them
-# (checkpoint_files.weight_files): an index and the shards it names, else the single file. Never a pattern like
+# (checkpoint_files.weight_files): the single file, else an index and the shards it names. Never a pattern like
 # "*.safetensors": repos also ship other weights (Mistral's consolidated.safetensors, original/ folders) that would
 # double the download.
 REMOTE_CODE_PATTERNS = ["*.py"]
@@ -198,7 +198,7 @@ def _in_subfolder(directory: Path, subfolder: str, name_or_path: str | os.PathLi
 
 
 def _fetch_weights(
-    fetch, only_local: bool, metadata: list[str], files: list[tuple[str, str, str]], prefix: str
+    fetch, only_local: bool, metadata: list[str], files: list[tuple[str, str, bool]], prefix: str
 ) -> Path:
     """The snapshot with the metadata and the weight files loading reads (see ``weight_files``), nothing else.
 
@@ -207,13 +207,12 @@ def _fetch_weights(
     """
     directory = fetch(metadata, only_local, None)
     commit = directory.name
-    for index_name, single_name, _ in files:
-        directory = fetch([index_name], only_local, commit)
-        if (directory / prefix / index_name).is_file():
-            return fetch([index_name, *_shard_names(directory / prefix / index_name)], only_local, commit)
-        directory = fetch([single_name], only_local, commit)
-        if (directory / prefix / single_name).is_file():
-            return directory
+    for name, _, is_index in files:
+        directory = fetch([name], only_local, commit)
+        if (directory / prefix / name).is_file():
+            return (
+                fetch([name, *_shard_names(directory / prefix / name)], only_local, commit) if is_index else directory
+            )
     return directory  # no weights: open_checkpoint says so
 
 

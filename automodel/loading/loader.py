@@ -22,6 +22,7 @@ from .key_mapping import KeyPlan, ignored, plan_keys
 from .quantized import DequantizedKeys, QuantizationScheme, dequantized_keys
 from .sharded_loader import LoadReport, load_into, peak_rss_bytes, state_tensors
 from .sources import Source, StoredTensor
+from .tied_copies import untie_differing_copies
 
 __all__ = ["CheckpointPlan", "load_checkpoint", "materialize", "plan_checkpoint"]
 
@@ -160,17 +161,18 @@ def _checked_keys(
 ) -> KeyPlan:
     tensors = dict(state_tensors(model))
     shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
-    aliases = {alias: group[0] for group in tied_parameter_names(model) for alias in group[1:]}
+    groups = tied_parameter_names(model)
+    aliases = {alias: group[0] for group in groups for alias in group[1:]}
     plan = plan_keys(model, files, {**shapes, **dict.fromkeys(aliases)}, dequantized)
+    untied = untie_differing_copies(model, plan.sources, groups)
+    if untied:  # each now a tensor of the model, with a shape to check
+        tensors = dict(state_tensors(model))
+        shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+        aliases = {alias: primary for alias, primary in aliases.items() if alias not in untied}
     _fold_tied_aliases(plan, aliases)
     plan.missing = [n for n in plan.missing if not ignored(n, getattr(model, "_keys_to_ignore_on_load_missing", None))]
-    plan.unexpected = [
-        key
-        for key in plan.unexpected
-        if not ignored(key, getattr(model, "_keys_to_ignore_on_load_unexpected", None))
-        # transformers moved the rotary buffer off the checkpoint: old checkpoints still carry it
-        and not key.endswith("rotary_emb.inv_freq")
-    ]
+    unexpected_patterns = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), *_legacy_buffers(model)]
+    plan.unexpected = [key for key in plan.unexpected if not ignored(key, unexpected_patterns)]
     problems = []
     if strict and plan.missing:
         problems.append(f"missing from the checkpoint: {_listing(plan.missing)}")
@@ -198,6 +200,19 @@ def _checked_keys(
         hint = ". Pass strict=False to initialise missing tensors and ignore unexpected ones." if keys_differ else "."
         raise CheckpointError(f"The checkpoint does not match {type(model).__name__}: " + "; ".join(problems) + hint)
     return plan
+
+
+def _legacy_buffers(model: nn.Module) -> list[str]:
+    """transformers' exceptions for buffers that old checkpoints still carry (``_adjust_missing_and_unexpected_keys``):
+    the rotary ``inv_freq`` moved off the checkpoint, and ``position_ids`` became non-persistent; ignored as unexpected
+    keys where the model has such a buffer."""
+    names = [name for name, _ in model.named_buffers()]
+    patterns = []
+    if any(name.endswith("rotary_emb.inv_freq") for name in names):
+        patterns.append(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in names):
+        patterns.append(r"(^|\.)position_ids$")
+    return patterns
 
 
 def _fold_tied_aliases(plan: KeyPlan, aliases: dict[str, str]) -> None:

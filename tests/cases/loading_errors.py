@@ -97,3 +97,26 @@ def initialised_missing_tensor(checkpoint: str, layout: dict[str, Any] | None, n
         "others": max(others),
         "on_meta": [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta],
     }
+
+
+def untied_copies(checkpoint: str, layout: dict[str, Any] | None, export: str) -> dict[str, Any]:
+    """Load ``checkpoint`` (its config ties the embedding and the head, its files hold both, with different values)
+    under ``layout``, pipeline stages included: whether this rank's head and embedding are one parameter, the
+    largest difference of every parameter this rank holds to plain transformers' load of the same checkpoint; then
+    the export to ``export`` and, on rank 0, the largest difference of plain transformers' reload of it."""
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=_context(layout))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint)
+    expected = dict(reference.named_parameters())
+    parameters = dict(model.named_parameters())
+    every_name = dict(model.named_parameters(remove_duplicate=False))
+    head, embedding = every_name.get("lm_head.weight"), every_name.get("model.embed_tokens.weight")
+    differences = {
+        name: (full_tensor(p).detach() - expected[name]).abs().max().item() for name, p in parameters.items()
+    }
+    model.save_pretrained(export)
+    result = {"tied_here": head is not None and head is embedding, "held": sorted(parameters), "loaded": differences}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        reloaded = AutoModelForCausalLM.from_pretrained(export)
+        result["reloaded_tied"] = reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+        result["reloaded"] = max((t - expected[name]).abs().max().item() for name, t in reloaded.named_parameters())
+    return result
