@@ -55,7 +55,7 @@ class NeMoAutoDiffusionPipeline:
     @classmethod
     def from_pretrained(
         cls,
-        name_or_path: str | os.PathLike,
+        pretrained_model_name_or_path: str | os.PathLike,
         *,
         mesh_context: MeshContext | None = None,
         components_to_load: Sequence[str] = DEFAULT_COMPONENTS,
@@ -66,13 +66,14 @@ class NeMoAutoDiffusionPipeline:
         token: str | bool | None = None,
         **pipeline_kwargs: Any,
     ) -> Any:
-        """Load the pipeline at ``name_or_path`` (hub id or local directory) with every component in
+        """Load the pipeline at ``pretrained_model_name_or_path`` (hub id or local directory) with every component in
         ``components_to_load`` parallelized for ``mesh_context``.
 
         Without ``mesh_context`` the plain diffusers pipeline is returned. ``dtype`` is the dtype of every component
         (diffusers' default, float32, when ``None``). ``pipeline_kwargs`` go to ``DiffusionPipeline.from_pretrained``.
         """
         diffusers = _require("diffusers")
+        name_or_path = pretrained_model_name_or_path
         directory = _resolve_pipeline_dir(diffusers, name_or_path, revision, cache_dir, local_files_only, token)
         components = _pipeline_components(diffusers, directory)
         selected = _checked_selection(diffusers, components, components_to_load, name_or_path)
