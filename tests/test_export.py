@@ -9,7 +9,9 @@ cover the files next to the weights, the model card, ``push_to_hub`` and the fai
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 
 import pytest
 import torch
@@ -253,3 +255,42 @@ def test_wrapper_with_module_is_unwrapped(tmp_path):
     save_hf_checkpoint(Wrapper(model), tmp_path / "export")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in loaded.named_parameters())
+
+
+def test_the_export_gets_the_mode_of_any_new_folder(tmp_path):
+    """The staging folder comes from mkdtemp (private, 0700): the export it becomes is readable as the umask allows
+    (a serving account, the rest of a team)."""
+    mask = os.umask(0o022)
+    try:
+        save_hf_checkpoint(build_model(tiny_config("llama")), tmp_path / "export")
+        save_hf_checkpoint(build_model(tiny_config("llama")), tmp_path / "export", overwrite=True)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == 0o755
+
+
+def test_the_recipes_export_keeps_the_other_files_of_its_folder(tmp_path):
+    """``export.dir`` as ``save_pretrained`` saves into a folder: the export's files and an earlier export's weight
+    files are replaced, everything else stays (a user's notes, a checkpoint.dir inside it)."""
+    from automodel.training.config import load_config
+    from automodel.training.export_step import export_trained
+    from tests.cases.training import CHAT_DATA, save_tiny_chat_checkpoint
+
+    base = save_tiny_chat_checkpoint(tmp_path / "base")
+    target = tmp_path / "export"
+    (target / "ckpt" / "step_00000001").mkdir(parents=True)
+    (target / "notes.txt").write_text("mine")
+    (target / "model-00001-of-00002.safetensors").write_text("an earlier export's shard")
+    (target / "model.safetensors.index.json").write_text("{}")
+    config_file = tmp_path / "sft.yaml"
+    config_file.write_text(
+        f"recipe: sft\nmodel: {{path: {base}}}\ndata: {{path: {CHAT_DATA}}}\nexport: {{dir: {target}}}\n"
+    )
+    model = AutoModelForCausalLM.from_pretrained(base)
+    assert export_trained(load_config(config_file), model, None) == target
+    assert (target / "notes.txt").read_text() == "mine" and (target / "ckpt" / "step_00000001").is_dir()
+    assert not (target / "model-00001-of-00002.safetensors").exists()
+    assert not (target / "model.safetensors.index.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(target)
+    expected = model.state_dict()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in reloaded.state_dict().items())

@@ -157,3 +157,30 @@ def test_the_identity_compares_files_and_says_what_differs(tmp_path):
     (base / "model.safetensors").unlink()
     with pytest.raises(BaseChanged, match="model.safetensors is gone"):
         check_base_identity(saved, base_identity(str(base), base), tmp_path / "ckpt")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["layout.strategy=fsdp2", "layout.pp_size=2"], ids=["fsdp2", "pp2"])
+def test_a_resume_that_trains_other_tensors_is_refused_before_anything_is_read(ranks2, tmp_path, layout):
+    """A checkpoint holds the trainable tensors only: a resume whose run trains others (fewer LoRA targets, another
+    rank, LoRA on a full fine-tuning checkpoint) is refused on every rank, naming the tensors, instead of dropping the
+    trained adapters it does not have (fewer targets) or failing inside torch.distributed.checkpoint. Under PP each
+    rank holds one stage's tensors: the checkpoint's tensors that no stage holds are what counts."""
+    base = save_tiny_chat_checkpoint(tmp_path / "base")
+    config = _config(tmp_path, base)
+    lora = [*LORA, layout, f"checkpoint.dir={tmp_path / 'lora'}"]
+    ranks2.run(train, config, [*lora, "train.stop_after_steps=3"])
+    fewer = [*lora, "lora.target_modules=[q_proj]"]
+    for message in ranks2.run(resume_error, config, fewer):
+        assert message.startswith("CheckpointMismatch: Resuming from"), message
+        assert "model.layers.0.self_attn.v_proj.lora_A.default.weight" in message, message
+        assert "which this run does not train" in message and "lora.target_modules" in message, message
+    for message in ranks2.run(resume_error, config, [*lora, "lora.rank=4"]):
+        assert "shapes differ: model.layers.0.self_attn.q_proj.lora_A.default.weight (saved (8, 32), now (4, 32))" in (
+            message
+        ), message
+    full = [layout, f"checkpoint.dir={tmp_path / 'full'}"]
+    ranks2.run(train, config, [*full, "train.stop_after_steps=3"])
+    for message in ranks2.run(resume_error, config, [*full, *LORA]):
+        assert "it lacks model.layers.0.self_attn.q_proj.lora_A.default.weight" in message, message
+    assert ranks2.run(train, config, lora)[0]["resumed_from"] == 3, "the same settings resume"

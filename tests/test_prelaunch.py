@@ -91,6 +91,12 @@ def test_output_folders_that_are_files_or_not_writable(launch, model, tmp_path):
     assert (status, started) == (2, False) and "checkpoint.dir=/proc/automodel-ckpt is not writable" in err
 
 
+def test_an_export_into_the_base_models_folder(launch, model):
+    """The export replaces the weight files of its folder: in model.path, those the run starts and resumes from."""
+    status, err, started = launch(model, CHAT_DATA, f"export.dir={model}")
+    assert (status, started) == (2, False) and f"export.dir={model} is model.path" in err
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

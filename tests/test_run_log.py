@@ -75,6 +75,33 @@ def test_after_the_first_failure_report_the_output_goes_to_the_file_only(tmp_pat
     assert "ChildFailedError" in text and lines[0] in text
 
 
+def test_a_checkpoint_failure_is_reported_as_the_ranks_own_error(tmp_path, monkeypatch):
+    """torch.distributed.checkpoint gathers every rank's exception into a CheckpointException, a BaseException (not an
+    Exception) whose message is each rank's whole traceback: the training process reports it (it used to end with
+    "without a Python error"), as the lowest failed rank's own exception."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from automodel.training import cli
+
+    monkeypatch.setenv(FAILURE_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        raise EOFError("the shard ends early")
+    except EOFError as error:
+        wrapped = _wrap_exception(error)
+
+    def main() -> int:
+        raise CheckpointException("load failed", {1: wrapped})
+
+    monkeypatch.setattr(cli, "main", main)
+    with pytest.raises(CheckpointException):
+        cli._main_under_torchrun()
+    report = json.loads((tmp_path / "attempt0-rank0.json").read_text())
+    assert report["type"] == "EOFError", report
+    assert report["message"] == "the shard ends early (in torch.distributed.checkpoint, on rank 1)", report
+    assert report["frames"] and report["frames"][-1][0] == __file__, report
+
+
 def test_a_run_that_dies_without_a_report_says_so(tmp_path):
     log = RunLog(tmp_path, "sft")
     lines = log.finish(-9, "sft")

@@ -60,6 +60,9 @@ def test_yaml_and_overrides_give_typed_sections(config_file):
         ("checkpoint.dir=null", "checkpoint.every_steps is set but checkpoint.dir is not"),
         ("train.warmup_steps=31", "train.warmup_steps=31 must be in [0, train.max_steps]"),
         ("train.hang_timeout_s=-1", "train.hang_timeout_s=-1.0 must be 0 (no watchdog) or more"),
+        ("train.weight_decay=-1", "train.weight_decay=-1.0 must be >= 0"),
+        ("train.betas=[1.5, 0.95]", "train.betas=[1.5, 0.95]: each of AdamW's two betas must be in [0, 1)"),
+        ("train.betas=[0.9, 1.0]", "must be in [0, 1)"),
         ("train", "is not `dotted.key=value`"),
     ],
 )
@@ -122,6 +125,8 @@ def test_lora_section(config_file):
     assert load_config(config_file, ["lora.rank=8", "export.lora=both"]).export.lora == "both"
     with pytest.raises(ConfigError, match="megatron_fsdp"):
         load_config(config_file, ["lora.rank=8", "layout.strategy=megatron_fsdp"])
+    with pytest.raises(ConfigError, match=r"lora.dropout=2.0 must be in \[0, 1\)"):
+        load_config(config_file, ["lora.rank=8", "lora.dropout=2"])
     with pytest.raises(ConfigError, match="needs LoRA adapters"):
         load_config(config_file, ["export.lora=adapter"])
     with pytest.raises(ConfigError, match="not pretraining"):

@@ -67,6 +67,8 @@ def make_staging_dir(target: Path, suffix: str) -> Path | None:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             path = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent))
+            # mkdtemp makes it private (0700); the export it becomes gets the mode any new folder gets (umask).
+            path.chmod(0o777 & ~_umask())
         except Exception as exc:
             error = exc
     agree_or_raise(error, f"Creating a temporary directory beside {target}")
@@ -75,6 +77,13 @@ def make_staging_dir(target: Path, suffix: str) -> Path | None:
         dist.broadcast_object_list(shared, src=0)
         path = shared[0]
     return path
+
+
+def _umask() -> int:
+    """The process's file mode creation mask (read by setting it, then set back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_weight_files(staging: Path, spec: WeightFiles, what: str) -> None:

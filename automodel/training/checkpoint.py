@@ -41,6 +41,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import log_rank_zero
+from automodel.loading.agreement import agree_or_raise
+
+from .checkpoint_match import CheckpointMismatch, check_checkpoint_matches
 
 __all__ = [
     "LATEST",
@@ -201,6 +204,12 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     options = _FLAT_OPTIMIZER if flat else StateDictOptions(ignore_frozen_params=True)
     model_state, optimizer_state = get_state_dict(module, optimizer, options=options)
     model_state = _without_frozen(module, model_state)
+    error = None
+    try:
+        check_checkpoint_matches(path, module, model_state)
+    except CheckpointMismatch as exc:  # raised below on every rank, before anything is read
+        error = exc
+    agree_or_raise(error, f"Resuming from {path}")
     never_saved = _state_never_saved(optimizer_state, saved, flat=flat)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)

@@ -319,7 +319,10 @@ def _train(config) -> int:
             verb = "interrupted by" if how == "Ctrl-C" else "stopped by"
             print(f"automodel {name}: {verb} {how} after step {len(result.losses)}; {saved}", flush=True)
         else:
-            print(f"automodel {name}: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}", flush=True)
+            print(
+                f"automodel {name}: {len(result.losses)} step{'' if len(result.losses) == 1 else 's'}, final loss {result.losses[-1]:.4f}",
+                flush=True,
+            )
             if result.checkpoint:
                 print(f"automodel {name}: newest checkpoint {result.checkpoint}", flush=True)
         if result.export_dir:
@@ -355,7 +358,9 @@ def _main_under_torchrun() -> NoReturn:
 
     try:
         exit_status = main()
-    except Exception as error:
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is not an Exception
         report_failure(error, int(os.environ.get("RANK", 0)))
         raise
     _exit_without_teardown(exit_status)

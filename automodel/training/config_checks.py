@@ -91,6 +91,10 @@ def validate_config(config: RecipeConfig) -> None:
         )
     if train.lr <= 0 or train.min_lr < 0 or train.min_lr > train.lr:
         raise ConfigError(f"train.lr={train.lr} must be > 0 and train.min_lr={train.min_lr} in [0, lr].")
+    if train.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay={train.weight_decay} must be >= 0 (0: no decay).")
+    if not all(0 <= beta < 1 for beta in train.betas):
+        raise ConfigError(f"train.betas={list(train.betas)}: each of AdamW's two betas must be in [0, 1).")
     if not 0 <= train.warmup_steps <= train.max_steps:
         raise ConfigError(f"train.warmup_steps={train.warmup_steps} must be in [0, train.max_steps].")
     if train.max_grad_norm is not None and train.max_grad_norm <= 0:
@@ -183,6 +187,8 @@ def _validate_lora(config: RecipeConfig) -> None:
         return
     if config.recipe != "sft":
         raise ConfigError("lora.rank > 0 adapts a pretrained model: use it with `automodel sft`, not pretraining.")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.dropout={lora.dropout} must be in [0, 1) (the probability of dropping an input).")
     if layout.strategy == "megatron_fsdp":
         raise ConfigError("LoRA runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
     if layout.pp_size > 1 and config.export.dir and config.export.lora != "adapter":

@@ -5,6 +5,7 @@ model card; with LoRA the merged model, the adapter, or both), then published to
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,12 @@ __all__ = ["export_trained", "training_summary"]
 
 
 def export_trained(config: RecipeConfig, model: nn.Module, tokenizer: Any) -> Path:
-    """Collective: write the export ``config.export`` asks for, and publish it; its folder."""
-    from automodel.loading.export import ModelCardInfo, save_hf_checkpoint
+    """Collective: write the export ``config.export`` asks for, and publish it; its folder.
+
+    The export goes into ``export.dir`` as ``save_pretrained`` saves: its files replace those of the same names and the
+    weight files of an earlier export, and every other file in the folder stays (a user's notes, a ``checkpoint.dir``
+    or ``log.dir`` inside it). The command refuses, before launch, an ``export.dir`` that is ``model.path``."""
+    from automodel.loading.export import ModelCardInfo, replace_weights_in, write_checkpoint
 
     summary = training_summary(config)
     if config.lora.rank:
@@ -33,17 +38,18 @@ def export_trained(config: RecipeConfig, model: nn.Module, tokenizer: Any) -> Pa
             adapter = save_lora_adapter(model, export.parent / f".{export.name}.adapter")
         model = merge_lora(model)  # the merged export is a plain checkpoint: adapters folded into the weights
     info = ModelCardInfo(base_model=config.model.path, training_summary=summary, tags=(config.recipe,))
-    directory = save_hf_checkpoint(
+    directory = write_checkpoint(
         model,
         config.export.dir,
+        place=replace_weights_in,
         tokenizer=tokenizer,
         max_shard_size=config.export.max_shard_size,
         model_card=info,
         model_id=config.export.push_to_hub,
-        overwrite=True,
     )
     if config.lora.rank and config.export.lora == "both":
         if dist.get_rank() == 0:
+            shutil.rmtree(directory / "adapter", ignore_errors=True)  # an earlier export's adapter
             os.replace(adapter, directory / "adapter")
         dist.barrier()
     return _publish(config, directory)

@@ -40,6 +40,7 @@ def check_before_launch(config: RecipeConfig, world_size: int) -> list[str]:
     for key, value in outputs.items():
         if value is not None:
             _check_writable_folder(key, Path(value))
+    _check_export_spares_the_model(config)
     if config.export.push_to_hub:
         from .hub_upload import check_push_to_hub
 
@@ -184,6 +185,18 @@ def _check_records(config: RecipeConfig, model_directory: Path) -> None:
                 check_data(value, kind)
             except DataError as error:
                 raise ConfigError(f"{key}: {error}") from None
+
+
+def _check_export_spares_the_model(config: RecipeConfig) -> None:
+    """The export replaces the weight files in ``export.dir`` (as ``save_pretrained`` does): in ``model.path`` they are
+    the weights the run starts from, and resumes from."""
+    if config.export.dir is None or not Path(config.model.path).is_dir():
+        return
+    if Path(config.export.dir).resolve() == Path(config.model.path).resolve():
+        raise ConfigError(
+            f"export.dir={config.export.dir} is model.path: the export would replace the weights this run starts (and "
+            "resumes) from. Export to another folder."
+        )
 
 
 def _check_writable_folder(key: str, path: Path) -> None:

@@ -111,7 +111,8 @@ def _describe_layout(layout: dict[str, Any] | None) -> str:
     if layout is None:
         return "not recorded"
     defaults = {"pp_size": 1, "dp_replicate_size": 1, "tp_size": 1, "cp_size": 1, "ep_size": 1}
-    shown = [f"{layout.get('strategy')} on {layout.get('world_size')} processes"]
+    count = layout.get("world_size")
+    shown = [f"{layout.get('strategy')} on {count} process{'' if count == 1 else 'es'}"]
     shown += [f"{key}={value}" for key, value in layout.items() if key in defaults and value != defaults[key]]
     shown += [key for key in ("sequence_parallel",) if layout.get(key)]
     return ", ".join(shown)

@@ -60,16 +60,32 @@ def report_failure(error: BaseException, rank: int) -> None:
     folder = os.environ.get(FAILURE_DIR_VARIABLE)
     if not folder:
         return
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if _is_own_code(frame.filename)]
+    failed_at = getattr(error, "failed_at", None)  # a pipeline stage's failure: when it began
+    error, stack, where = _unwrapped(error)
+    frames = [frame for frame in stack if _is_own_code(frame.filename)]
     report = {
         "rank": rank,
         "attempt": _attempt(),
-        "time": getattr(error, "failed_at", None) or time.time(),  # a pipeline stage's failure: when it began
+        "time": failed_at or time.time(),
         "type": type(error).__name__,
-        "message": str(error),
+        "message": str(error) + where,
         "frames": [[frame.filename, frame.lineno, frame.name, frame.line or ""] for frame in frames[-_FRAMES_SHOWN:]],
     }
     _write_whole(Path(folder) / f"attempt{_attempt()}-rank{rank}.json", json.dumps(report))
+
+
+def _unwrapped(error: BaseException) -> tuple[BaseException, traceback.StackSummary, str]:
+    """The exception to report, its stack, and where it was raised when that is not this process's own frames.
+
+    ``torch.distributed.checkpoint`` gathers the exception each rank raised into one ``CheckpointException`` (a
+    ``BaseException`` whose message is every rank's whole traceback): the report is the lowest failed rank's own
+    exception, with that rank's frames."""
+    failures = getattr(error, "failures", None)
+    if type(error).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner, stack = failures[rank]
+        return inner, stack, f" (in torch.distributed.checkpoint, on rank {rank})"
+    return error, traceback.extract_tb(error.__traceback__), ""
 
 
 def record_progress(step: int) -> None:
