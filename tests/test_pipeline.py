@@ -153,9 +153,18 @@ def test_from_config_under_pp_gives_the_weights_of_the_same_call_without_a_mesh(
         ({"strategy": "fsdp2", "pp_size": 2}, 4, "generate", "generate() is not available on a pipeline-parallel"),
         ({"strategy": "fsdp2", "pp_size": 2, "tp_size": 2}, 4, "tied_layouts", "(last stage) are laid out differently"),
         ({"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4}, 4, "batch", "A batch of 6 rows cannot be split"),
+        (
+            {"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2,
+             "pp_microbatches": 5},
+            4,
+            "load",
+            "needs their number to be a multiple of the number of rounds (5 // 2 = 2). Use a multiple of 2, or one of "
+            "2, 3, 4, 6, 8.",
+        ),
     ],
     ids=["ddp", "few_microbatches", "interleaved_without_virtual", "unknown", "virtual_without_interleaved", "zbv_three",
-         "fewer_layers_than_stages", "plain_call", "generate", "tied_layouts_differ", "uneven_batch"],
+         "fewer_layers_than_stages", "plain_call", "generate", "tied_layouts_differ", "uneven_batch",
+         "interleaved_rounds"],
 )  # fmt: skip
 def test_impossible_pipelines_are_refused_on_every_rank(ranks2, ranks4, layout, layers, call, expected):
     pool = ranks4 if layout.get("tp_size", 1) > 1 else ranks2

@@ -38,6 +38,9 @@ V_SHAPED_SCHEDULES = frozenset({"zbv"})
 #: Schedules that split each backward into its input-gradient and its weight-gradient pass (torch's zero-bubble
 #: schedules), running the weight passes where the others idle.
 ZERO_BUBBLE_SCHEDULES = frozenset({"interleaved_zero_bubble", "zbv"})
+#: Schedules that run the microbatches in rounds of ``pp_size`` (torch's ``ScheduleInterleaved1F1B`` and
+#: ``ScheduleInterleavedZeroBubble``): the number of microbatches must be a multiple of ``max(1, M // pp_size)``.
+ROUND_SCHEDULES = frozenset({"interleaved_1f1b", "interleaved_zero_bubble"})
 
 
 @dataclass(frozen=True)
@@ -159,5 +162,14 @@ def check_pipeline(
             f"pp_microbatches={microbatches!r} is fewer than the {pp_size} pipeline stages' ranks: a schedule needs at "
             f"least one microbatch per rank in flight (and idles (P-1)/(M+P-1) of the time). Use pp_microbatches >= "
             f"{pp_size}, e.g. {2 * pp_size}."
+        )
+    rounds = max(1, microbatches // pp_size)
+    if schedule in ROUND_SCHEDULES and microbatches % rounds:
+        valid = [m for m in range(pp_size, 4 * pp_size + 1) if m % max(1, m // pp_size) == 0]
+        raise ValueError(
+            f"pp_microbatches={microbatches} with pp_schedule={schedule!r} on {pp_size} pipeline ranks: torch's "
+            f"schedule runs the microbatches in rounds of {pp_size} and needs their number to be a multiple of the "
+            f"number of rounds ({microbatches} // {pp_size} = {rounds}). Use a multiple of {pp_size}, or one of "
+            f"{', '.join(map(str, valid))}."
         )
     return microbatches
