@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .planning_processes import SimulationError, one_line, simulate_elsewhere, start_helper
 from .planning_simulation import (
     DTYPES,
-    OPTIMIZER_STATE_BYTES,
+    OPTIMIZER_STATES,
     RankPlan,
     Request,
     Target,
@@ -78,6 +78,24 @@ class Plan:
         return plan_table(self)
 
 
+def _check_layout_keys(layout: Mapping[str, Any]) -> None:
+    """A key that is not a keyword of ``MeshContext.build`` is a mistake in the call, not a layout the model refuses:
+    a ``TypeError`` naming it, with the close matches."""
+    import difflib
+    import inspect
+
+    from automodel.distributed import MeshContext
+
+    keywords = [name for name in inspect.signature(MeshContext.build).parameters if name != "cls"]
+    unknown = [key for key in layout if key not in keywords]
+    if unknown:
+        hints = []
+        for key in unknown:
+            matches = difflib.get_close_matches(key, keywords, n=3, cutoff=0.6)
+            hints.append(f"{key!r}" + (f" (did you mean {', '.join(map(repr, matches))}?)" if matches else ""))
+        raise TypeError(f"layout has keys that are not keywords of MeshContext.build: {', '.join(hints)}.")
+
+
 def plan(
     model: str | os.PathLike,
     *,
@@ -101,10 +119,14 @@ def plan(
     this process instead, beside the helper's start (seconds sooner): for a process that plans once and runs no
     process group and no other plan meanwhile (the ``automodel`` command), as one process is one simulated rank.
     """
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZER_STATE_BYTES)}.")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZER_STATES)}.")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}.")
+    _check_layout_keys(layout or {})
+    for name, value in (("micro_batch_size", micro_batch_size), ("seq_len", seq_len)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(str(dtype))
     if torch_dtype is None:
         raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)}.")

@@ -32,7 +32,7 @@ from .planning_estimates import activation_estimate, fsdp_sizes_with_unmanaged
 
 __all__ = [
     "DTYPES",
-    "OPTIMIZER_STATE_BYTES",
+    "OPTIMIZER_STATES",
     "RankPlan",
     "Request",
     "refusal_in_this_process",
@@ -43,7 +43,9 @@ __all__ = [
 #: The load dtypes a plan takes, by name.
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 #: Optimizer state bytes per trainable local element: AdamW keeps two fp32 moments (``exp_avg``, ``exp_avg_sq``).
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
+#: The optimizer states per trainable element, each in the parameter's dtype (torch's AdamW keeps ``exp_avg`` and
+#: ``exp_avg_sq`` like the parameter: bf16 states for bf16 weights, as the recipes' ``make_optimizer`` trains them).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ class _Simulation:
         local = [(local_view(p).numel() * p.element_size(), p) for p in params]
         trainable = [(size, p) for size, p in local if p.requires_grad]
         grad_bytes = sum(size for size, _ in trainable)
-        optimizer = sum(local_view(p).numel() for _, p in trainable) * OPTIMIZER_STATE_BYTES[self.optimizer]
+        optimizer = grad_bytes * OPTIMIZER_STATES[self.optimizer]
         padded, largest_gather = fsdp_sizes_with_unmanaged(model, params)
         activations = activation_estimate(
             context, self.target.config, self.micro_batch_size, self.seq_len, self.target.dtype, stages

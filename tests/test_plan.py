@@ -124,7 +124,7 @@ def test_estimates_follow_the_batch_and_the_checkpointing(checkpoints):
     ).ranks[0]
     assert large.activation_bytes_estimate == 2 * small.activation_bytes_estimate
     assert full.activation_bytes_estimate < large.activation_bytes_estimate
-    assert small.optimizer_bytes == 4 * small.param_bytes  # two fp32 states per bf16 element
+    assert small.optimizer_bytes == 2 * small.param_bytes  # two states per element, in the weights' bf16
     assert small.peak_bytes_estimate > small.param_bytes + small.activation_bytes_estimate
 
 
@@ -274,3 +274,52 @@ def test_the_table_names_each_class_once_and_says_what_the_activations_are_for(c
     quiet = plan(checkpoints["llama_4_layers"], world_size=2, layout={"dp_replicate_size": 2}).table()
     assert "activations: not estimated (no micro batch size and sequence length given)" in quiet, quiet
     assert "compile=auto" not in quiet.splitlines()[0], "defaults are not the layout's choices"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--world-size", "8", "--micro-batch-size", "-1"], "argument --micro-batch-size: must be at least 1, got -1"),
+        (["--world-size", "8", "--seq-len", "0"], "argument --seq-len: must be at least 1, got 0"),
+        (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+        (["--world-size", "8", "--nnodes", "2", "--nproc-per-node", "8"], "--world-size 8 is not --nnodes 2 x"),
+        (["--world-size", "8", "--rank", "9"], "--rank 9: the ranks of a 8-rank job are 0 to 7"),
+    ],
+)
+def test_the_commands_usage_mistakes_exit_2_naming_the_option(checkpoints, capsys, arguments, message):
+    from automodel.training import plan_command
+
+    with pytest.raises(SystemExit) as status:
+        plan_command.main(["--model", str(checkpoints["llama_uneven"]), *arguments])
+    assert status.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_suggest_searches_the_micro_batch_at_its_own_sequence_length_unless_given(checkpoints, monkeypatch):
+    """``--suggest`` without ``--seq-len`` plans for the search's 8,192 tokens (the plan's own default, 512, is the
+    recipes' train.seq_len), and without ``--micro-batch-size`` searches the micro batch instead of pinning 1."""
+    import automodel.suggestion
+    from automodel.suggestion.search import DEFAULT_SEQ_LEN
+    from automodel.training import plan_command
+
+    calls = []
+    monkeypatch.setattr(automodel.suggestion, "suggest", lambda *args, **kwargs: calls.append(kwargs) or _NoTable())
+    model = str(checkpoints["llama_uneven"])
+    plan_command.main(["--model", model, "--world-size", "4", "--suggest"])
+    plan_command.main(
+        ["--model", model, "--world-size", "4", "--suggest", "--seq-len", "64", "--micro-batch-size", "2"]
+    )
+    assert "seq_len" not in calls[0] and "micro_batch_size" not in calls[0]["pins"], calls[0]
+    assert calls[1]["seq_len"] == 64 and calls[1]["pins"]["micro_batch_size"] == 2, calls[1]
+    assert DEFAULT_SEQ_LEN == 8192
+
+
+class _NoTable:
+    ok = True
+
+    def table(self) -> str:
+        return ""
+
+
+def test_the_api_names_a_layout_key_that_is_no_keyword_of_meshcontext_build(checkpoints):
+    with pytest.raises(TypeError, match=r"'tp_sz' \(did you mean 'tp_size'"):
+        plan(str(checkpoints["llama_uneven"]), world_size=4, layout={"tp_sz": 2})

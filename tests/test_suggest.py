@@ -283,3 +283,16 @@ def test_a_recipe_suggests_its_layouts_and_refuses_one_that_does_not_fit(launch)
     assert "The fastest layout that fits" in err or "No layout fits" in err, err
     status, out, err, started = launch("--gpu-memory", "1GiB")
     assert (status, started) == (0, True), err
+
+
+def test_memory_sizes_need_a_unit_unless_they_are_plainly_bytes():
+    from automodel.suggestion import parse_bytes
+
+    assert (
+        parse_bytes("80GiB") == 80 * GIB and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("24 gib") == 24 * GIB
+    )
+    assert parse_bytes(str(80 * GIB)) == 80 * GIB
+    with pytest.raises(ValueError, match="'80' has no unit and would be 80 bytes: write e.g. 80GiB or 80GB"):
+        parse_bytes("80")
+    with pytest.raises(ValueError, match="is not a memory size"):
+        parse_bytes("80 gigs")

@@ -23,7 +23,6 @@ __all__ = [
     "FLOPS_PER_PARAMETER",
     "HOP_LATENCY_S",
     "LINK_EFFICIENCY",
-    "OPTIMIZER_STATE_TRAFFIC",
     "CostModel",
     "StepTime",
 ]
@@ -42,9 +41,6 @@ FLOPS_PER_PARAMETER = 6
 #: QK^T and AV at 2 FLOPs a multiply-add (4), halved by the causal mask (2), times 3 for training (forward and
 #: backward).
 ATTENTION_FLOPS = 6
-#: Optimizer state bytes an AdamW step reads and writes per trainable element (two fp32 moments, each read and
-#: written), on top of the parameter (read and written) and its gradient (read), at the HBM bandwidth.
-OPTIMIZER_STATE_TRAFFIC = 16
 
 
 @dataclass(frozen=True)
@@ -263,7 +259,8 @@ class CostModel:
         if not self.training.trainable or not self.training.optimizer_bytes:
             return 0.0
         elements = self.memory.local_elements(candidate, share)
-        moved = elements * (3 * self.training.param_bytes + OPTIMIZER_STATE_TRAFFIC)
+        # The parameter read and written, its gradient read, and each optimizer state read and written.
+        moved = elements * (3 * self.training.param_bytes + 2 * self.training.optimizer_bytes)
         return moved / self.hardware.hbm_bytes_per_s
 
     # ---------------------------------------------------------------------------------------------------------

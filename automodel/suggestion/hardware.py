@@ -68,9 +68,15 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12, "kib"
 
 
 def parse_bytes(text: str) -> int:
-    """``"80GiB"``, ``"141GB"``, ``"24 gib"`` or a plain number of bytes, as bytes."""
+    """``"80GiB"``, ``"141GB"``, ``"24 gib"`` or a number of bytes (``"85899345920"``, ``"1e9B"`` is not one), as bytes.
+    A number without a unit below 1 MiB is refused: a GPU's memory written in GiB or GB without the unit."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a memory size: write e.g. 80GiB, 141GB or 24GiB.")
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if unit == "" and size < 2**20:
+        raise ValueError(
+            f"{text!r} has no unit and would be {size} bytes: write e.g. {match.group(1)}GiB or {match.group(1)}GB."
+        )
+    return size

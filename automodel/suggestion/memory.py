@@ -51,7 +51,7 @@ class Training:
     param_bytes: int = 2
     compute_bytes: int = 2
     reduce_bytes: int = 2
-    optimizer_bytes: int = 8
+    optimizer_bytes: int = 4  # two states per trainable element, in the weights' bf16
     trainable: bool = True
     keep_unsharded: bool = False
 

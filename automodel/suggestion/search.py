@@ -39,7 +39,7 @@ DEFAULT_SEQ_LEN = 8192
 MAX_PLANS = 48
 #: World sizes tried when nothing fits: up to this many times the requested one.
 LARGEST_WORLD_FACTOR = 64
-_OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
+_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # per trainable element, in the weights' dtype
 
 
 def training_setup(
@@ -47,8 +47,8 @@ def training_setup(
 ) -> Training:
     """The element sizes and options of training with ``layout`` (``MeshContext.build`` keywords: its strategy's
     mixed precision and resharding), weights in ``dtype``, ``optimizer``'s states."""
-    if optimizer not in _OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(_OPTIMIZER_STATE_BYTES)}.")
+    if optimizer not in _OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(_OPTIMIZER_STATES)}.")
     load = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(load, torch.dtype):
         raise ValueError(f"dtype={dtype!r}: use bf16 or fp32.")
@@ -60,7 +60,7 @@ def training_setup(
         param_bytes=size(load),
         compute_bytes=size(compute),
         reduce_bytes=size(reduce),
-        optimizer_bytes=_OPTIMIZER_STATE_BYTES[optimizer],
+        optimizer_bytes=_OPTIMIZER_STATES[optimizer] * size(load),
         trainable=trainable,
         keep_unsharded=getattr(strategy, "reshard_after_forward", None) is False,
     )

@@ -40,16 +40,15 @@ def _parser() -> argparse.ArgumentParser:
     batch = TrainSection()
     parser.add_argument(
         "--micro-batch-size",
-        type=int,
-        default=batch.micro_batch_size,
+        type=_positive,
         help=f"sequences per rank per forward, for the activation estimate (default {batch.micro_batch_size}, the "
-        "recipes' train.micro_batch_size)",
+        "recipes' train.micro_batch_size; with --suggest: searched)",
     )
     parser.add_argument(
         "--seq-len",
-        type=int,
-        default=batch.seq_len,
-        help=f"tokens per sequence, for the activation estimate (default {batch.seq_len}, the recipes' train.seq_len)",
+        type=_positive,
+        help=f"tokens per sequence, for the activation estimate (default {batch.seq_len}, the recipes' train.seq_len; "
+        "with --suggest: 8192, the search's DEFAULT_SEQ_LEN)",
     )
     parser.add_argument(
         "--pp-microbatches", type=int, help="with layout.pp_size > 1: microbatches per step (default pp_size)"
@@ -60,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", metavar="layout.KEY=VALUE")
     add_suggest_arguments(parser)
     return parser
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _layout_keys() -> list[str]:
@@ -76,7 +83,20 @@ def main(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     if args.world_size is None and (args.nnodes is None or args.nproc_per_node is None):
         parser.error("give --world-size N, or --nnodes K with --nproc-per-node G")
+    for option in ("world_size", "nnodes", "nproc_per_node"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     world_size = args.world_size if args.world_size is not None else args.nnodes * args.nproc_per_node
+    if args.nnodes is not None and args.nproc_per_node is not None and args.nnodes * args.nproc_per_node != world_size:
+        parser.error(
+            f"--world-size {world_size} is not --nnodes {args.nnodes} x --nproc-per-node {args.nproc_per_node} "
+            f"({args.nnodes * args.nproc_per_node}): give one or the other, or sizes that agree"
+        )
+    outside = sorted({rank for rank in args.ranks or () if not 0 <= rank < world_size})
+    if outside:
+        parser.error(
+            f"--rank {', '.join(map(str, outside))}: the ranks of a {world_size}-rank job are 0 to {world_size - 1}"
+        )
     try:
         layout = layout_from_overrides(args.overrides)
     except ConfigError as error:
@@ -102,8 +122,8 @@ def main(argv: list[str]) -> int:
         arguments,
         ranks=args.ranks,
         dtype=args.dtype,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size or TrainSection().micro_batch_size,
+        seq_len=args.seq_len or TrainSection().seq_len,
         optimizer=args.optimizer,
         trust_remote_code=args.trust_remote_code,
         as_json=args.json,

@@ -93,6 +93,7 @@ def print_suggestions(
     from .loop import mesh_arguments
 
     pins = {key: getattr(section, key) for key in given if key in PINNABLE}
+    options = {"seq_len": args.seq_len} if args.seq_len is not None else {}  # else the search's default
     if args.micro_batch_size is not None:
         pins["micro_batch_size"] = args.micro_batch_size
     try:
@@ -102,7 +103,6 @@ def print_suggestions(
             gpu=args.gpu or "h100",
             gpu_memory=gpu_memory_bytes(None, args.gpu_memory),
             nproc_per_node=args.nproc_per_node,
-            seq_len=args.seq_len or 8192,
             global_batch_tokens=args.global_batch_tokens,
             intra_node_gbps=args.intra_node_gbps,
             inter_node_gbps=args.inter_node_gbps,
@@ -112,6 +112,7 @@ def print_suggestions(
             optimizer=args.optimizer,
             top=args.top,
             trust_remote_code=args.trust_remote_code,
+            **options,
         )
     except (ValueError, FileNotFoundError, OSError) as error:
         print(f"automodel plan: {error}", file=sys.stderr)
