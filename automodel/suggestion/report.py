@@ -142,7 +142,7 @@ class Suggestions:
                 f"{format_bytes(bound.peak)} per rank ({candidate.describe()}: {describe_memory(bound)})."
             )
         else:
-            refused = "; ".join(f"{layout}: {error}" for error, layout in list(self.refusals.items())[:3])
+            refused = "; ".join(f"{layout}: {error.rstrip('.')}" for error, layout in list(self.refusals.items())[:3])
             text = (
                 f"no layout of {self.facts.name} fits {where} ({budget}) by the real plan"
                 + (f"; refused: {refused}" if refused else "")
@@ -151,6 +151,8 @@ class Suggestions:
         if self.smallest_world_size is not None:
             nodes = self.smallest_world_size / self.job.nproc_per_node
             text += f" The smallest world size where one fits is {self.smallest_world_size} ranks ({nodes:g} nodes of {self.job.nproc_per_node})."
+        elif self.counts.get("refused", 0) and not self.counts.get("over_exact", 0) and bound.peak <= self.usable_bytes:
+            text += " Every layout the memory allows was refused: a larger world size does not change that."
         else:
             text += " No larger world size up to 64 times this one fits."
         return text
@@ -206,8 +208,8 @@ class Suggestions:
         text = (
             f"searched {counts.get('layouts', 0):,} layouts that pass the size rules "
             f"({len(self.rejections)} rule values dropped others): {counts.get('over_bound', 0):,} over the memory "
-            f"bound, {counts.get('planned', 0)} planned exactly ({counts.get('refused', 0)} refused, "
-            f"{counts.get('over_exact', 0)} over memory) in {self.seconds:.1f} s"
+            f"bound, {counts.get('planned', 0)} planned exactly (their plans refused {counts.get('refused', 0)} "
+            f"candidates and found {counts.get('over_exact', 0)} over memory) in {self.seconds:.1f} s"
         )
         return text + (f"; stopped after {counts.get('planned', 0)} plans" if self.stopped_early else "")
 

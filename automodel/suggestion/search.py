@@ -229,7 +229,9 @@ def suggest(
         for future in search.plans.values():
             future.cancel()
     smallest = None
-    if not found:
+    # A larger world helps a layout that needs more memory, not one the model refuses (a pinned key it cannot take).
+    only_refused = search.counts.get("refused", 0) and not search.counts.get("over_exact", 0) and least is not None
+    if not found and not (only_refused and least[0].peak <= search.usable):
         smallest = _smallest_world(search, job, global_batch_tokens)
     return Suggestions(
         model=str(model),
