@@ -111,9 +111,9 @@ class _NeMoAutoBase:
         ``config`` (a config object, or the folder or hub id of one) replaces the checkpoint's ``config.json``, as in
         transformers; keyword overrides apply on top of (a copy of) it.
 
-        ``dtype`` (``"auto"`` by default: the config's, else the checkpoint's), ``revision``, ``cache_dir``, ``local_files_only``, ``token``,
-        ``trust_remote_code``, ``attn_implementation``, ``force_download``, ``use_safetensors``, ``subfolder``,
-        ``variant`` and ``generation_config`` mean what they mean in transformers; ``dtype`` wins over the deprecated
+        ``dtype`` (``"auto"`` by default: the config's, else the checkpoint's), ``revision``, ``cache_dir``,
+        ``local_files_only``, ``token``, ``trust_remote_code``, ``attn_implementation``, ``force_download``,
+        ``use_safetensors``, ``subfolder``, ``variant`` and ``generation_config`` mean what they mean in transformers; ``dtype`` wins over the deprecated
         ``torch_dtype``. Other keywords override attributes of the config, as in transformers; one that is not an
         attribute is a ``TypeError`` naming it. Options a mesh replaces (``device_map``, ``max_memory``, ...) and
         quantization while loading (``load_in_8bit``, ``quantization_config``) are refused with the reason.

@@ -296,3 +296,10 @@ def test_memory_sizes_need_a_unit_unless_they_are_plainly_bytes():
         parse_bytes("80")
     with pytest.raises(ValueError, match="is not a memory size"):
         parse_bytes("80 gigs")
+
+
+def test_the_nodes_a_world_size_takes_are_counted_whole():
+    from automodel.suggestion.report import describe_nodes
+
+    assert describe_nodes(64, 8) == "8 nodes of 8" and describe_nodes(8, 8) == "1 node of 8"
+    assert describe_nodes(13, 8) == "2 nodes of 8, the last with 5"

@@ -149,8 +149,8 @@ class Suggestions:
                 + "."
             )
         if self.smallest_world_size is not None:
-            nodes = self.smallest_world_size / self.job.nproc_per_node
-            text += f" The smallest world size where one fits is {self.smallest_world_size} ranks ({nodes:g} nodes of {self.job.nproc_per_node})."
+            nodes = describe_nodes(self.smallest_world_size, self.job.nproc_per_node)
+            text += f" The smallest world size where one fits is {self.smallest_world_size} ranks ({nodes})."
         elif self.counts.get("refused", 0) and not self.counts.get("over_exact", 0) and bound.peak <= self.usable_bytes:
             text += " Every layout the memory allows was refused: a larger world size does not change that."
         else:
@@ -182,7 +182,7 @@ class Suggestions:
         job, hardware = self.job, self.hardware
         head = [
             f"suggest: {self.facts.name} ({_count(self.facts.total)} parameters) on {job.world_size} ranks "
-            f"({job.world_size / job.nproc_per_node:g} nodes of {job.nproc_per_node}), {hardware.name} "
+            f"({describe_nodes(job.world_size, job.nproc_per_node)}), {hardware.name} "
             f"{format_bytes(hardware.memory_bytes)} ({format_bytes(self.usable_bytes)} usable), seq_len {job.seq_len}, "
             f"{job.sequences} sequences per step",
             self._searched(),
@@ -212,6 +212,14 @@ class Suggestions:
             f"candidates and found {counts.get('over_exact', 0)} over memory) in {self.seconds:.1f} s"
         )
         return text + (f"; stopped after {counts.get('planned', 0)} plans" if self.stopped_early else "")
+
+
+def describe_nodes(world_size: int, nproc_per_node: int) -> str:
+    """``"8 nodes of 8"``, ``"1 node of 8"``, ``"2 nodes of 8, the last with 5"``."""
+    full, rest = divmod(world_size, nproc_per_node)
+    nodes = full + (rest > 0)
+    text = f"{nodes} node{'s' if nodes != 1 else ''} of {nproc_per_node}"
+    return text + (f", the last with {rest}" if rest and full else "")
 
 
 def describe_memory(memory: MemoryParts) -> str:
