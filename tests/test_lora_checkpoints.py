@@ -183,4 +183,6 @@ def test_a_resume_that_trains_other_tensors_is_refused_before_anything_is_read(r
     ranks2.run(train, config, [*full, "train.stop_after_steps=3"])
     for message in ranks2.run(resume_error, config, [*full, *LORA]):
         assert "it lacks model.layers.0.self_attn.q_proj.lora_A.default.weight" in message, message
-    assert ranks2.run(train, config, lora)[0]["resumed_from"] == 3, "the same settings resume"
+    resumed = ranks2.run(train_and_report, config, [*lora, "data.seed=1"])[0]
+    assert resumed["resumed_from"] == 3, "the same settings resume"
+    assert any(line.startswith("data.seed=1 is not the checkpoint's (0)") for line in resumed["log"]), resumed["log"]

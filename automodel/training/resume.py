@@ -79,6 +79,15 @@ def resume_if_saved(
     lr = resume_schedule(optimizer, scheduler, config.train, state.step)
     loader.load_state_dict(state.data)
     torch.set_rng_state(state.rng)
+    saved_seed = state.data.get("seed") if isinstance(state.data, dict) else None
+    if saved_seed is not None and saved_seed != config.data.seed:
+        log_rank_zero(
+            logger,
+            "data.seed=%d is not the checkpoint's (%d): the resumed run keeps the checkpoint's data order (start over "
+            "in another checkpoint.dir for another order)",
+            config.data.seed,
+            saved_seed,
+        )
     log_rank_zero(
         logger,
         "resuming from %s at step %d (layout saved: %s, layout now: %s); learning rate %.3e from this config's schedule",
