@@ -151,7 +151,7 @@ class Suggestions:
         if self.smallest_world_size is not None:
             nodes = describe_nodes(self.smallest_world_size, self.job.nproc_per_node)
             text += f" The smallest world size where one fits is {self.smallest_world_size} ranks ({nodes})."
-        elif self.counts.get("refused", 0) and not self.counts.get("over_exact", 0) and bound.peak <= self.usable_bytes:
+        elif every_plan_refused(self.counts, bound.peak, self.usable_bytes):
             text += " Every layout the memory allows was refused: a larger world size does not change that."
         else:
             text += " No larger world size up to 64 times this one fits."
@@ -212,6 +212,12 @@ class Suggestions:
             f"candidates and found {counts.get('over_exact', 0)} over memory) in {self.seconds:.1f} s"
         )
         return text + (f"; stopped after {counts.get('planned', 0)} plans" if self.stopped_early else "")
+
+
+def every_plan_refused(counts: dict[str, int], least_peak: int, usable: int) -> bool:
+    """Whether a search found nothing because the model refused every layout it planned (a pinned key it cannot
+    take), not for memory: the least hungry layout fits, and no plan was over memory."""
+    return bool(counts.get("refused", 0)) and not counts.get("over_exact", 0) and least_peak <= usable
 
 
 def describe_nodes(world_size: int, nproc_per_node: int) -> str:

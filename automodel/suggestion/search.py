@@ -29,7 +29,7 @@ from .cost_model import CostModel, StepTime
 from .hardware import GPUS, Hardware
 from .memory import HEADROOM, MemoryModel, MemoryParts, Training, usable_bytes
 from .model_facts import ModelFacts, model_facts
-from .report import Suggestion, Suggestions
+from .report import Suggestion, Suggestions, every_plan_refused
 
 __all__ = ["DEFAULT_SEQ_LEN", "MAX_PLANS", "LayoutMemory", "layout_memory", "load_facts", "suggest", "training_setup"]
 
@@ -39,7 +39,6 @@ DEFAULT_SEQ_LEN = 8192
 MAX_PLANS = 48
 #: World sizes tried when nothing fits: up to this many times the requested one.
 LARGEST_WORLD_FACTOR = 64
-_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # per trainable element, in the weights' dtype
 
 
 def training_setup(
@@ -47,8 +46,10 @@ def training_setup(
 ) -> Training:
     """The element sizes and options of training with ``layout`` (``MeshContext.build`` keywords: its strategy's
     mixed precision and resharding), weights in ``dtype``, ``optimizer``'s states."""
-    if optimizer not in _OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(_OPTIMIZER_STATES)}.")
+    from automodel.planning_simulation import OPTIMIZER_STATES  # the plan's count: the search agrees with it
+
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZER_STATES)}.")
     load = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(load, torch.dtype):
         raise ValueError(f"dtype={dtype!r}: use bf16 or fp32.")
@@ -60,7 +61,7 @@ def training_setup(
         param_bytes=size(load),
         compute_bytes=size(compute),
         reduce_bytes=size(reduce),
-        optimizer_bytes=_OPTIMIZER_STATES[optimizer] * size(load),
+        optimizer_bytes=OPTIMIZER_STATES[optimizer] * size(load),
         trainable=trainable,
         keep_unsharded=getattr(strategy, "reshard_after_forward", None) is False,
     )
@@ -230,8 +231,7 @@ def suggest(
             future.cancel()
     smallest = None
     # A larger world helps a layout that needs more memory, not one the model refuses (a pinned key it cannot take).
-    only_refused = search.counts.get("refused", 0) and not search.counts.get("over_exact", 0) and least is not None
-    if not found and not (only_refused and least[0].peak <= search.usable):
+    if not found and not (least is not None and every_plan_refused(search.counts, least[0].peak, search.usable)):
         smallest = _smallest_world(search, job, global_batch_tokens)
     return Suggestions(
         model=str(model),

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from automodel.distributed.runtime import collective_device
 
@@ -31,12 +31,10 @@ class CheckpointMismatch(ValueError):
     """The checkpoint does not hold the trainable tensors of the run resuming from it."""
 
 
-def check_checkpoint_matches(path: Path, module: nn.Module, live_state: dict[str, torch.Tensor] | None = None) -> None:
+def check_checkpoint_matches(path: Path, module: nn.Module, live_state: dict[str, torch.Tensor]) -> None:
     """Collective: raise :class:`CheckpointMismatch` on the ranks that see a difference between the trainable state of
-    ``module`` (``live_state``: its state dict as the checkpoint saves it; by default the trainable parameters and the
-    buffers) and the model part of the checkpoint at ``path`` (the caller raises it on every rank)."""
-    if live_state is None:
-        live_state = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))
+    ``module`` (``live_state``: its state dict as the checkpoint saves it) and the model part of the checkpoint at
+    ``path`` (the caller raises it on every rank)."""
     stored = {
         key[len(_MODEL) :]: tuple(entry.size)
         for key, entry in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
