@@ -95,6 +95,22 @@ def test_undecodable_bytes_and_lines_longer_than_a_block(tmp_path, monkeypatch):
         check_data(path, "pretrain")
 
 
+def test_a_byte_order_mark_at_the_start_of_a_file_is_not_part_of_its_text(tmp_path):
+    """Windows editors save UTF-8 with a BOM; Python's ``utf-8-sig`` and ``datasets`` read past it, and so does this."""
+    record = json.dumps({"text": "hello"})
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + f"{record}\n{record}\n".encode())
+    assert check_data(jsonl, "pretrain") == 2
+    assert [number for number, _ in iter_jsonl(jsonl, "pretrain")] == [1, 2]
+    assert load_texts(jsonl) == ["hello", "hello"]
+    text = tmp_path / "bom.txt"
+    text.write_bytes(b"\xef\xbb\xbfhello")
+    assert load_texts(text) == ["hello"]
+    jsonl.write_bytes(b"\xef\xbb\xbf" + f"{record}\n".encode() + b"{\n")
+    with pytest.raises(DataError, match=r"bom.jsonl:2: not valid JSON"):
+        check_data(jsonl, "pretrain")
+
+
 def test_a_file_split_among_processes_reports_the_first_mistake_at_its_line_in_the_file(tmp_path, monkeypatch):
     """Three checking processes, each given a third of the file from a line start; lines counted across them."""
     monkeypatch.setattr(data_check, "_PARALLEL_BYTES", 1)

@@ -121,11 +121,11 @@ def load_texts(
         return [_text_of(record, index, path) for index, record in enumerate(records)]
     path = Path(path)
     if path.is_file() and path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
+        return [path.read_text(encoding="utf-8-sig")]
     if path.is_dir() and not any(path.glob("*.jsonl")):
         txt_files = sorted(path.glob("*.txt"))
         if txt_files:
-            return [file.read_text(encoding="utf-8") for file in txt_files]
+            return [file.read_text(encoding="utf-8-sig") for file in txt_files]
     records = load_records(path, cache_dir=cache_dir, kind="pretrain")
     return [_text_of(record, index, path) for index, record in enumerate(records)]
 

@@ -9,6 +9,7 @@ delimiter at column 197)``, ``chat.jsonl:7: record has keys ['text']; expected a
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import subprocess
@@ -182,9 +183,12 @@ def _parsed(number: int, line: str) -> Any:
 
 def _lines(path: Path, start: int, stop: int) -> Iterator[tuple[int, str]]:
     """``(line number from 1 within the range, text)`` of every line of the byte range ``[start, stop)`` (``start`` at
-    a line start), decoded a block of whole lines at a time; an undecodable byte is a mistake at its line."""
+    a line start), decoded a block of whole lines at a time; an undecodable byte is a mistake at its line. A UTF-8
+    byte-order mark at the start of the file is skipped, as ``encoding="utf-8-sig"`` and ``datasets`` do."""
     number = 0
     with path.open("rb") as file:
+        if start == 0 and file.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8:
+            start = len(codecs.BOM_UTF8)  # a byte-order mark (as Windows editors write) is not part of line 1
         file.seek(start)
         left, tail = stop - start, b""
         while left > 0 or tail:

@@ -237,7 +237,7 @@ def _documents(files: list[tuple[Path, str]], kind: str, text_key: str) -> Itera
         if file_format == "text":
             if kind == "sft":
                 raise PreparedDataError(f"--input {path}: SFT data is chat records (JSONL, parquet, arrow), not text.")
-            yield str(path), path.read_text(encoding="utf-8")
+            yield str(path), path.read_text(encoding="utf-8-sig")
             continue
         for where, record in _records(path, file_format):
             if kind == "sft":
