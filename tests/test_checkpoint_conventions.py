@@ -149,3 +149,22 @@ def test_dtype_auto_takes_the_checkpoints_dtype_when_the_config_records_none(tmp
     reference = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.dtype == reference.dtype == stored
     assert torch.equal(_logits(model), _logits(reference))
+
+
+def test_a_base_model_leaves_out_the_head_of_a_task_checkpoint(tmp_path):
+    """``NeMoAutoModel`` on a ``...ForCausalLM`` checkpoint, as ``AutoModel`` does: the base model's tensors under
+    ``model.`` load, the head outside it is left out; an unknown tensor under the prefix is still refused."""
+    from transformers import AutoModel
+
+    from automodel.auto_model import NeMoAutoModel
+    from automodel.loading.checkpoint_files import CheckpointError
+
+    build_model(tiny_config("llama", tie_word_embeddings=False), seed=3).save_pretrained(tmp_path)
+    expected = AutoModel.from_pretrained(tmp_path)
+    model = NeMoAutoModel.from_pretrained(str(tmp_path))
+    batch = token_batch(batch_size=2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch).last_hidden_state, expected(batch).last_hidden_state, rtol=0, atol=0)
+    _edit_weights(tmp_path, lambda tensors: tensors.update({"model.stray.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"in the checkpoint but not in the model: model\.stray\.weight"):
+        NeMoAutoModel.from_pretrained(str(tmp_path))

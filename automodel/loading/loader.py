@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,6 +174,7 @@ def _checked_keys(
     plan.missing = [n for n in plan.missing if not ignored(n, getattr(model, "_keys_to_ignore_on_load_missing", None))]
     unexpected_patterns = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), *_legacy_buffers(model)]
     plan.unexpected = [key for key in plan.unexpected if not ignored(key, unexpected_patterns)]
+    plan.unexpected = _without_task_heads(model, plan.unexpected, files.keys())
     problems = []
     if strict and plan.missing:
         problems.append(f"missing from the checkpoint: {_listing(plan.missing)}")
@@ -200,6 +202,24 @@ def _checked_keys(
         hint = ". Pass strict=False to initialise missing tensors and ignore unexpected ones." if keys_differ else "."
         raise CheckpointError(f"The checkpoint does not match {type(model).__name__}: " + "; ".join(problems) + hint)
     return plan
+
+
+def _without_task_heads(model: nn.Module, unexpected: list[str], stored: Iterable[str]) -> list[str]:
+    """``unexpected`` less the heads of a task model when ``model`` is its base model (``AutoModel`` on a
+    ``...ForCausalLM`` checkpoint): the checkpoint stores the base model under ``base_model_prefix`` (``model.``),
+    and what lies outside it (``lm_head.weight``, ``score.weight``) is the task's head, which a base model has no
+    place for. transformers drops those too (with a report); a key under the prefix that the model lacks stays
+    unexpected."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not unexpected or not prefix or getattr(model, "base_model", None) is not model:
+        return unexpected
+    under_prefix = f"{prefix}."
+    if not any(key.startswith(under_prefix) for key in stored):
+        return unexpected
+    heads = [key for key in unexpected if not key.startswith(under_prefix)]
+    if heads and is_rank_zero():
+        logger.info("Left out of %s, which has no head: %s", type(model).__name__, _listing(heads))
+    return [key for key in unexpected if key.startswith(under_prefix)]
 
 
 def _legacy_buffers(model: nn.Module) -> list[str]:
