@@ -127,7 +127,14 @@ def test_truncation_cuts_to_seq_len_and_drops_examples_without_assistant_tokens(
     with caplog.at_level(logging.WARNING, logger="automodel.training.data"):
         kept = tokenize_sft([MULTI_TURN, {"prompt": "hi", "completion": "ok"}], tokenizer, seq_len=prompt_only)
     assert len(kept) == 1 and len(kept[0].input_ids) <= prompt_only
-    assert "Dropped 1 of 2 SFT examples" in caplog.text
+    assert (
+        f"Dropped 1 of 2 SFT examples with no assistant token within seq_len={prompt_only} (the earliest is token {prompt_only + 1} of its example)"
+        in caplog.text
+    )
+    with pytest.raises(
+        ValueError, match=rf"None of the 1 SFT records .*the earliest is token {prompt_only + 1}.*Raise train\.seq_len"
+    ):
+        tokenize_sft([MULTI_TURN], tokenizer, seq_len=prompt_only)
 
 
 def test_sft_errors_name_the_record_and_the_fix(tokenizer):

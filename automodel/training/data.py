@@ -212,19 +212,27 @@ def tokenize_sft(records: list[dict], tokenizer: Any, seq_len: int) -> list[Exam
     texts, spans = zip(*(_render_chat(tokenizer, chat, index) for index, chat in enumerate(chats)), strict=True)
     encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
     end_ids = _end_of_turn_ids(tokenizer)
-    examples = []
+    kept, first_trained = [], []  # first_trained: where each dropped example's first trained token is
     for index, text in enumerate(texts):
         input_ids = encoded["input_ids"][index]
         labels = _assistant_labels(input_ids, encoded["offset_mapping"][index], spans[index], text, end_ids)
-        examples.append(Example(input_ids[:seq_len], labels[:seq_len]))
-    kept = [example for example in examples if any(label != IGNORE_INDEX for label in example.labels)]
-    if len(kept) < len(examples):
-        logger.warning(
-            "Dropped %d of %d SFT examples with no assistant token within seq_len=%d",
-            len(examples) - len(kept),
-            len(examples),
-            seq_len,
+        if any(label != IGNORE_INDEX for label in labels[:seq_len]):
+            kept.append(Example(input_ids[:seq_len], labels[:seq_len]))
+        else:
+            first_trained.append(next((at for at, label in enumerate(labels) if label != IGNORE_INDEX), None))
+    if first_trained:
+        reaches = [at + 1 for at in first_trained if at is not None]
+        why = (
+            f"no assistant token within seq_len={seq_len} (the earliest is token {min(reaches)} of its example)"
+            if reaches
+            else "no assistant token at all (empty assistant turns)"
         )
+        if not kept:
+            raise ValueError(
+                f"None of the {len(records)} SFT records is left to train on: {why}. Raise train.seq_len, or shorten "
+                "the prompts (a long system message or a chat template's preamble counts too)."
+            )
+        logger.warning("Dropped %d of %d SFT examples with %s", len(first_trained), len(records), why)
     return kept
 
 
