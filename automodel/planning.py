@@ -35,7 +35,7 @@ from .planning_simulation import (
     refusal_in_this_process,
     simulate_in_this_process,
 )
-from .planning_table import describe_ranks, shown_layout
+from .planning_table import shown_layout
 
 __all__ = ["Plan", "RankPlan", "SimulationError", "layout_refusal", "plan"]
 
@@ -224,5 +224,4 @@ def _pipeline_ranks(classes: list[list[int]], pp_size: int, world_size: int) -> 
 
 
 def _standing_for(figures: RankPlan, members: list[int]) -> RankPlan:
-    described = members if len(members) <= 16 else f"{len(members)} ranks: {describe_ranks(members)}"
-    return replace(figures, stands_for=described)
+    return replace(figures, stands_for=members)

@@ -53,7 +53,7 @@ class RankPlan:
     """What one simulated rank holds (bytes; see ``docs/plan.md`` for how each figure is made)."""
 
     rank: int
-    stands_for: list[int] | str  # the ranks with the same local shapes ("512 ranks: 0-511" past 16 of them)
+    stands_for: list[int]  # the ranks with the same local shapes
     param_bytes: int  # this rank's local parameter shards, in the load dtype
     padded_param_bytes: int  # what FSDP2 allocates for them (dim-0 shards padded to a multiple of the group)
     grad_bytes: int  # trainable local shards, in the parameter dtype

@@ -99,16 +99,15 @@ def _row(rank: RankPlan, stands_for: str, *, pipelined: bool) -> tuple[str, ...]
     return (*cells, stands_for)
 
 
-def describe_ranks(stands_for: list[int] | str) -> str:
-    """``"0-15"``, ``"3, 7"``: the ranks a row stands for, as runs (a string is already described)."""
-    if isinstance(stands_for, str):
-        return stands_for
+def describe_ranks(stands_for: list[int]) -> str:
+    """``"0-15"``, ``"3, 7"``, ``"512 ranks: 0-511"``: the ranks a row stands for, as runs (counted past 16 ranks)."""
     runs, start = [], stands_for[0]
     for previous, current in zip(stands_for, [*stands_for[1:], None], strict=True):
         if current is None or current != previous + 1:
             runs.append(f"{start}" if start == previous else f"{start}-{previous}")
             start = current
-    return ", ".join(runs[:8]) + (f" ... ({len(runs)} runs)" if len(runs) > 8 else "")
+    described = ", ".join(runs[:8]) + (f" ... ({len(runs)} runs)" if len(runs) > 8 else "")
+    return f"{len(stands_for)} ranks: {described}" if len(stands_for) > 16 else described
 
 
 def describe_bytes(value: int) -> str:

@@ -108,6 +108,11 @@ def test_the_representative_ranks_stand_for_every_rank_once(checkpoints):
     assert planned.ranks[0].padded_param_bytes == planned.ranks[1].padded_param_bytes  # FSDP2 pads the short one
     assert any("FSDP2 units" in line for line in planned.log), planned.log
 
+    many = plan(checkpoints["llama_uneven"], world_size=40, layout={"strategy": "ddp"}, dtype="fp32")
+    assert all(result.stands_for == list(range(40)) for result in many.ranks), "a list past 16"
+    crowds = [result.stands_for for result in many.ranks if len(result.stands_for) > 16]
+    assert crowds and all(f"{len(ranks)} ranks: {ranks[0]}-" in many.table() for ranks in crowds), many.table()
+
 
 def test_estimates_follow_the_batch_and_the_checkpointing(checkpoints):
     model = checkpoints["llama_uneven"]
