@@ -133,3 +133,26 @@ def test_a_failed_upload_names_the_checkpoint_folder_on_every_rank_and_keeps_it(
             assert "Name or service not known" in result["message"], result
     finally:
         shutil.rmtree(Path(folder).parent, ignore_errors=True)
+
+
+def test_a_variant_replaces_only_its_own_weight_files(one_rank, tmp_path):
+    """As transformers: saving the ``fp16`` variant next to the default weights keeps them, and both load."""
+    model = ModelParallelizer().parallelize(build_model(tiny_config("llama")), MeshContext.build("fsdp2")).eval()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    model.save_pretrained(tmp_path, variant="fp16")
+    files = sorted(path.name for path in tmp_path.iterdir())
+    assert "model.fp16.safetensors" in files and "model.safetensors.index.json" in files, files
+    assert "tokenizer.json" in files
+    for variant in (None, "fp16"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, variant=variant)
+        assert torch.allclose(loaded(token_batch()).logits, model(token_batch()).logits, atol=TOLERANCE)
+    model.save_pretrained(tmp_path)  # the plain weights again, unsharded: the old shards and index go
+    files = sorted(path.name for path in tmp_path.iterdir())
+    assert files == [
+        "config.json",
+        "generation_config.json",
+        "model.fp16.safetensors",
+        "model.safetensors",
+        "tokenizer.json",
+    ], files

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -343,25 +344,30 @@ def _replace_directory(staging: Path | None, target: Path) -> None:
     shutil.rmtree(previous)
 
 
-def replace_weights_in(staging: Path | None, target: Path) -> None:
+def replace_weights_in(staging: Path | None, target: Path, variant: str | None = None) -> None:
     """Placement, as ``save_pretrained`` does it: the export's files go into ``target`` (created if needed), whose
-    earlier weight files are removed first; its other files (a tokenizer, a README) stay. Each file is replaced
-    atomically."""
+    earlier weight files of the same ``variant`` are removed first; its other files (a tokenizer, a README, the
+    weights of another variant) stay. Each file is replaced atomically."""
     if staging is None:
         if target.exists() and not target.is_dir():
             raise NotADirectoryError(f"{target} exists and is not a directory: save to a directory.")
         return
     target.mkdir(parents=True, exist_ok=True)
     for stale in target.iterdir():
-        if stale.is_file() and _is_weight_file(stale.name):
+        if stale.is_file() and _is_weight_file(stale.name, variant):
             stale.unlink()
     for path in staging.iterdir():
         os.replace(path, target / path.name)
     staging.rmdir()
 
 
-def _is_weight_file(name: str) -> bool:
-    return name.startswith(("model.", "model-", "pytorch_model")) and name.endswith((".safetensors", ".bin", ".json"))
+def _is_weight_file(name: str, variant: str | None = None) -> bool:
+    """Whether ``name`` is one of transformers' weight files of ``variant`` (none: the plain files): the single file,
+    a shard, or the index, in safetensors or the legacy ``.bin``."""
+    tag = rf"\.{re.escape(variant)}" if variant else ""
+    single_or_shard = rf"(model|pytorch_model){tag}(-\d{{5}}-of-\d{{5}})?\.(safetensors|bin)"
+    index = rf"(model\.safetensors|pytorch_model\.bin)\.index{tag}\.json"
+    return re.fullmatch(f"{single_or_shard}|{index}", name) is not None
 
 
 def _architecture_name(model: PreTrainedModel) -> str:

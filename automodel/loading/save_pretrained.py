@@ -5,6 +5,7 @@ staged and moved into place). Registered with ``automodel.distributed.parallel_m
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -55,7 +56,11 @@ class ConsolidatedCheckpointWriter:
         if unknown:
             raise TypeError(f"save_pretrained got unexpected keyword arguments {unknown}.")
         directory = write_checkpoint(
-            model, save_directory, place=replace_weights_in, max_shard_size=max_shard_size, variant=variant
+            model,
+            save_directory,
+            place=functools.partial(replace_weights_in, variant=variant),
+            max_shard_size=max_shard_size,
+            variant=variant,
         )
         if push_to_hub:
             repo_id = push_kwargs.pop("repo_id", None) or Path(save_directory).name
