@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from automodel.distributed import MegatronFSDPConfig, MeshContext
+from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import full_tensor
 from automodel.loading.checkpoint_files import CheckpointError
 from automodel.loading.initialization import local_view
@@ -42,11 +43,50 @@ def _check_layout(peft_config: Any, mesh_context: MeshContext | None) -> None:
         )
     if peft_config.use_dora:
         raise ValueError("peft_config.use_dora=True (DoRA) is not supported: use plain LoRA adapters.")
+    if peft_config.bias != "none":
+        raise ValueError(
+            f"peft_config.bias={peft_config.bias!r} is not supported: only the adapters train here (bias='none'). For a "
+            "trainable bias that merges with each adapter, use lora_bias=True."
+        )
+    for option, why in _UNSUPPORTED_OPTIONS.items():
+        if getattr(peft_config, option, None):
+            raise ValueError(f"peft_config.{option}={getattr(peft_config, option)!r} is not supported: {why}.")
     _refuse_parameter_targets(peft_config.target_parameters, "peft_config.target_parameters")
     if mesh_context is None:
         return
     if isinstance(mesh_context.strategy, MegatronFSDPConfig):
         raise ValueError("LoRA runs with strategy='fsdp2' or 'ddp', not 'megatron_fsdp'.")
+
+
+# LoraConfig options that add trainable tensors other than the factors of linear layers, which are not sharded,
+# initialised or saved here.
+_UNSUPPORTED_OPTIONS = {
+    "modules_to_save": "the full copies of modules peft trains beside the adapters are not sharded or saved here; "
+    "leave them out, or train without LoRA",
+    "trainable_token_indices": "the trainable rows of an embedding are not sharded or saved here; leave them out, or "
+    "train the embedding without LoRA",
+    "layer_replication": "replicated layers share their base weights, which the parallelizer shards once each; use a "
+    "model with those layers",
+}
+
+
+def _refuse_unsupported_layers(model: nn.Module, lora: Any) -> None:
+    """Adapters other than plain LoRA on linear layers (embeddings, convolutions, peft's variants such as aLoRA),
+    which the loader would not initialise and ``merge_lora`` would not fold."""
+    others = []
+    for name, module in model.named_modules():
+        if isinstance(module, lora.LoraLayer) and (type(module) is not lora.Linear or module.lora_variant):
+            kinds = [type(module).__name__, *(type(variant).__name__ for variant in module.lora_variant.values())]
+            others.append(f"{name} ({', '.join(kinds)})")
+    if others:
+        raise ValueError(
+            f"LoRA is supported on linear layers only, as plain LoRA adapters; the config adapts {_few(others)}. "
+            "Leave those modules out of target_modules (and variants such as DoRA or aLoRA out of the config)."
+        )
+
+
+def _few(names: list[str], limit: int = 3) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _refuse_parameter_targets(targets: Any, where: str, modules: Any = None) -> None:
@@ -84,6 +124,7 @@ def add_lora(
         f"target_modules={peft_config.target_modules!r} made peft target parameters",
         injected.target_modules,
     )
+    _refuse_unsupported_layers(model, peft.tuners.lora)
     renamed = dict(sources)
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
@@ -118,12 +159,25 @@ def _stored_factor(adapter: LoraAdapter, name: str, shape: tuple[int, ...]) -> S
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every LoRA adapter into its (possibly sharded) base weight and put the base layer back in its place, so
-    the model has transformers' own module tree and parameter names again (for an export). Collective: every rank
-    calls it."""
+    """Fold every LoRA adapter into its (possibly sharded) base weight (and, with ``lora_bias``, its bias into the
+    base bias) and put the base layer back in its place, so the model has transformers' own module tree and parameter
+    names again (for an export). Under pipeline parallelism each rank folds its stages' adapters. Collective: every
+    rank calls it."""
     lora = require_peft().tuners.lora
-    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, lora.LoraLayer)]
-    for name, module in layers:
+    whole = model.whole_on_meta if isinstance(model, PipelinedModel) else model  # every layer, on every rank
+    biasless = [
+        name
+        for name, module in whole.named_modules()
+        if isinstance(module, lora.LoraLayer)
+        and any(module.lora_bias.get(adapter) for adapter in module.active_adapters)
+        and getattr(module.base_layer, "bias", None) is None
+    ]
+    if biasless:
+        raise ValueError(
+            f"Cannot merge LoRA with lora_bias=True into {_few(biasless)}: the base layer has no bias (peft refuses "
+            "this merge too). Export the adapter instead (save_lora_adapter, or export.lora=adapter)."
+        )
+    for name, module in _lora_layers(model, lora):
         base = module.base_layer
         for adapter in module.active_adapters:
             delta = (
@@ -132,8 +186,27 @@ def merge_lora(model: nn.Module) -> nn.Module:
             delta = delta * module.scaling[adapter]
             if getattr(module, "fan_in_fan_out", False):
                 delta = delta.T
-            local = local_view(base.weight)
-            local.add_(select(delta, local_indices(base.weight)).to(local.dtype))
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, base)
+            _add_into(base.weight, delta)
+            if module.lora_bias.get(adapter):
+                _add_into(base.bias, full_tensor(module.lora_B[adapter].bias).float() * module.scaling[adapter])
+        _put_back(model, name, base)
+    if isinstance(model, PipelinedModel):
+        for name, module in _lora_layers(whole, lora):
+            _put_back(whole, name, module.base_layer)
+        model.tensors_renamed()
     return model
+
+
+def _lora_layers(model: nn.Module, lora: Any) -> list[tuple[str, nn.Module]]:
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, lora.LoraLayer)]
+
+
+def _add_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Add the full-size ``full`` to (possibly sharded) ``param``: each rank its own slice of it."""
+    local = local_view(param)
+    local.add_(select(full, local_indices(param)).to(local.dtype))
+
+
+def _put_back(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

@@ -12,7 +12,15 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from tests.cases.lora import LORA, adapter_bytes, dropout_parity, load_adapter, lora_parity, save_adapter
+from tests.cases.lora import (
+    LORA,
+    adapter_bytes,
+    dropout_parity,
+    load_adapter,
+    lora_parity,
+    merged_export,
+    save_adapter,
+)
 from tests.tiny_models import save_tiny_checkpoint, token_batch
 
 pytestmark = pytest.mark.distributed
@@ -36,7 +44,7 @@ MOE_LAYOUTS = {
 def checkpoints(tmp_path_factory):
     return {
         arch: str(save_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"{arch}_lora")))
-        for arch in ("llama", "qwen3", "mixtral", "qwen3_moe")
+        for arch in ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
     }
 
 
@@ -115,6 +123,13 @@ REFUSED_CONFIGS = {
     "all_linear_on_fused_experts": ({"target_modules": "all-linear"}, r"target parameters.*e\.g\. target_modules="),
     "dora": ({"target_modules": ["q_proj"], "use_dora": True}, "DoRA"),
     "pissa_init": ({"target_modules": ["q_proj"], "init_lora_weights": "pissa"}, "init_lora_weights"),
+    "modules_to_save": ({"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, "modules_to_save"),
+    "trained_biases": ({"target_modules": ["q_proj"], "bias": "lora_only"}, r"bias='lora_only'.*lora_bias=True"),
+    "trainable_tokens": ({"target_modules": ["q_proj"], "trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+    "embedding": (
+        {"target_modules": ["embed_tokens", "q_proj"]},
+        r"linear layers only.*model\.embed_tokens \(Embedding\)",
+    ),
 }
 
 
@@ -177,3 +192,34 @@ def test_the_saved_adapter_is_peft_save_pretrained_byte_for_byte_written_by_ever
     )
     assert results[0]["same_bytes"] and results[0]["factors"] == 12, results[0]
     assert all(result["bytes_written"] for result in results), [result["bytes_written"] for result in results]
+
+
+MERGED_EXPORTS = {
+    "lora_bias_fsdp2": ({"strategy": "fsdp2"}, {"target_modules": ["q_proj", "k_proj", "v_proj"], "lora_bias": True}),
+    "lora_bias_tp2": ({"strategy": "fsdp2", "tp_size": 2}, {"target_modules": ["q_proj", "v_proj"], "lora_bias": True}),
+    "pp2": ({"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 2}, {"target_modules": ["q_proj", "down_proj"]}),
+    "lora_bias_pp2": (
+        {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 2},
+        {"target_modules": ["q_proj", "v_proj"], "lora_bias": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout,options", MERGED_EXPORTS.values(), ids=MERGED_EXPORTS.keys())
+def test_a_merged_export_is_peft_merge_and_unload(ranks2, checkpoints, tmp_path, layout, options):
+    """The adapters' biases (``lora_bias``) merge too, and under PP each stage merges its own layers."""
+    (result, _) = ranks2.run(merged_export, checkpoints["qwen2"], layout, options, str(tmp_path / "merged"))
+    assert result["logits"] <= TOLERANCE, result
+
+
+def test_a_lora_bias_without_a_base_bias_and_an_unmerged_save_are_refused(ranks2, checkpoints, tmp_path):
+    """Qwen2's o_proj has no bias: peft cannot merge an adapter bias there, nor can merge_lora. A model still carrying
+    adapters is not saved as a transformers checkpoint (its names would be peft's)."""
+    options = {"target_modules": ["q_proj", "o_proj"], "lora_bias": True}
+    with pytest.raises(Exception, match=r"lora_bias=True into model\.layers\.0\.self_attn\.o_proj.*no bias"):
+        ranks2.run(merged_export, checkpoints["qwen2"], {"strategy": "fsdp2"}, options, str(tmp_path / "a"))
+    from tests.cases.lora import unmerged_save
+
+    messages = ranks2.run(unmerged_save, checkpoints["qwen2"], str(tmp_path / "b"))
+    assert len(set(messages)) == 1 and "merge_lora" in messages[0] and "save_lora_adapter" in messages[0], messages
+    assert not (tmp_path / "b").exists()

@@ -98,8 +98,8 @@ def test_packing_the_fused_loss_and_validation_under_pp2(ranks2, chat_checkpoint
 
 def test_lora_under_pp2_trains_as_without_pp_and_exports_the_same_adapter(ranks2, chat_checkpoint, tmp_path):
     """lora.rank with layout.pp_size=2: the losses of the run without PP, and export.lora=adapter writes peft's files
-    with the adapter that run writes (each stage's factors reach rank 0 from their stage). The merged export, which
-    PP refuses, is what the same command without PP writes from the final checkpoint."""
+    with the adapter that run writes (each stage's factors reach rank 0 from their stage). The merged export under PP
+    (each stage folds its own adapters) is the one the same command without PP writes from the final checkpoint."""
     from safetensors.torch import load_file
 
     config = _config(tmp_path, chat_checkpoint)
@@ -114,6 +114,11 @@ def test_lora_under_pp2_trains_as_without_pp_and_exports_the_same_adapter(ranks2
     assert (tmp_path / "pp" / "adapter_config.json").is_file()
     merged = ranks2.run(train, config, [*lora, "export.lora=merged", f"export.dir={tmp_path / 'merged'}", checkpoints])
     assert merged[0]["resumed_from"] == 4 and merged[0]["export_logits"] <= 1e-5, merged[0]
+    pp_merged = [*lora, "layout.pp_size=2", "export.lora=merged", f"export.dir={tmp_path / 'pp_merged'}", checkpoints]
+    assert ranks2.run(train, config, pp_merged)[0]["resumed_from"] == 4
+    ours, theirs = (load_file(tmp_path / name / "model.safetensors") for name in ("pp_merged", "merged"))
+    assert sorted(ours) == sorted(theirs) and all(".lora_" not in key for key in ours), sorted(ours)
+    assert max((ours[key] - theirs[key]).abs().max().item() for key in ours) <= 1e-6
 
 
 def test_pretraining_under_pp2_matches_it_without_pp(ranks2, chat_checkpoint, tmp_path):

@@ -185,6 +185,11 @@ class PipelinedModel(ParallelizedModel, nn.Module):
 
     # -- exporting it --------------------------------------------------------------------------------------------------
 
+    def tensors_renamed(self) -> None:
+        """Collective: after the stages' tensors were renamed in place (``merge_lora`` puts base layers back), look up
+        again which pipeline rank holds each tensor for an export."""
+        self._owners = self._tensor_owners()
+
     def _tensor_owners(self) -> dict[str, int]:
         """Every state tensor of the whole model -> the pipeline rank whose stages hold it (the lowest, for the
         buffers every stage holds). The same exchange checks that each tied pair split between the first and the

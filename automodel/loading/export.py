@@ -174,6 +174,14 @@ def _check_arguments(model: nn.Module, tokenizer: Any, model_card: ModelCardInfo
         )
     if model_card is not None and not isinstance(model_card, ModelCardInfo):
         raise TypeError(f"model_card must be a ModelCardInfo, got {type(model_card).__name__}.")
+    adapters = [name for name, _ in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+    if adapters:
+        raise ValueError(
+            f"The model carries LoRA adapters ({adapters[0]} and {len(adapters) - 1} more): its checkpoint would hold "
+            "peft's names (base_layer, lora_A), which transformers loads as missing weights. Fold them into the "
+            "weights first with automodel.lora.merge_lora(model), or write the adapter alone with "
+            "automodel.lora_checkpoint.save_lora_adapter(model, directory)."
+        )
     on_meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if on_meta:
         raise ValueError(

@@ -191,11 +191,5 @@ def _validate_lora(config: RecipeConfig) -> None:
         raise ConfigError(f"lora.dropout={lora.dropout} must be in [0, 1) (the probability of dropping an input).")
     if layout.strategy == "megatron_fsdp":
         raise ConfigError("LoRA runs with layout.strategy=fsdp2 or ddp, not megatron_fsdp.")
-    if layout.pp_size > 1 and config.export.dir and config.export.lora != "adapter":
-        raise ConfigError(
-            f"export.lora={config.export.lora} with lora.rank > 0 and layout.pp_size > 1: under pipeline parallelism "
-            "the adapter is exported (export.lora=adapter); for the merged model, run again with layout.pp_size=1 "
-            "(it resumes the final checkpoint of checkpoint.dir and exports)."
-        )
     if importlib.util.find_spec("peft") is None:
         raise ConfigError('lora.rank > 0 needs the peft package: pip install "automodel[peft]".')

@@ -188,3 +188,49 @@ def adapter_bytes(checkpoint: str, layout: dict[str, Any], directory: str) -> di
         facts["same_bytes"] = digest(Path(directory)) == digest(reference)
         facts["factors"] = len(factors)
     return facts
+
+
+def merged_export(checkpoint: str, layout: dict[str, Any], options: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Adapters of ``options`` with random values (both factors and, with ``lora_bias``, lora_B's bias, seeded by
+    name, so every rank and peft agree under any layout), folded with ``merge_lora`` and saved: the export, loaded by
+    plain transformers, against peft's ``merge_and_unload`` of the same adapters (rank 0); the other ranks None."""
+    import zlib
+
+    config = LoraConfig(r=4, lora_alpha=8, **options)
+    model = NeMoAutoModelForCausalLM.from_pretrained(
+        checkpoint, mesh_context=MeshContext.build(**layout), peft_config=config
+    )
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint), config)
+    ref_params = {n.removeprefix("base_model.model."): p for n, p in reference.named_parameters()}
+
+    def seeded(name: str, shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.1
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # under PP, this rank's stages
+            if ".lora_" in name:
+                _local(param).copy_(select(seeded(name, param.shape), local_indices(param)))
+        for name, param in ref_params.items():
+            if ".lora_" in name:
+                param.copy_(seeded(name, param.shape))
+    merge_lora(model)
+    model.save_pretrained(directory)
+    if dist.get_rank() != 0:
+        return {}
+    with torch.no_grad():
+        expected = reference.merge_and_unload()(input_ids=token_batch()).logits
+        exported = AutoModelForCausalLM.from_pretrained(directory)
+        return {"logits": (exported(input_ids=token_batch()).logits - expected).abs().max().item()}
+
+
+def unmerged_save(checkpoint: str, directory: str) -> str:
+    """``save_pretrained`` of a model still carrying adapters: the error each rank gets."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    model = NeMoAutoModelForCausalLM.from_pretrained(
+        checkpoint, mesh_context=MeshContext.build("fsdp2"), peft_config=config
+    )
+    try:
+        model.save_pretrained(directory)
+    except ValueError as error:
+        return str(error)
+    return "saved"
