@@ -180,6 +180,27 @@ def test_padding_masks_and_positions_reach_every_stage(ranks2, packed):
         assert max(result["loss"], result["grad"]) <= TOLERANCE, result
 
 
+TRAINING_STEPS = {
+    "left_padded_1f1b": ({"pp_schedule": "1f1b"}, None, True),
+    # Zero-bubble schedules run a loss's backward twice (for the inputs, then for the weights).
+    "fused_zbv": ({"pp_schedule": "zbv", "pp_virtual_stages": 2}, "fused", False),
+    "fused_interleaved_zero_bubble": (
+        {"pp_schedule": "interleaved_zero_bubble", "pp_virtual_stages": 2},
+        "fused",
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize(("schedule", "loss", "left_padded"), TRAINING_STEPS.values(), ids=TRAINING_STEPS.keys())
+def test_the_training_step_keeps_the_padding_and_runs_the_fused_loss_on_every_schedule(
+    ranks2, schedule, loss, left_padded
+):
+    layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, **schedule}
+    for result in ranks2.run(pipeline.training_step_parity, layout, loss, left_padded):
+        assert max(result["loss"], result["grad"]) <= TOLERANCE, result
+
+
 @pytest.mark.parametrize("inner", [{}, {"tp_size": 2}], ids=["pp2_fsdp2", "pp2_tp2"])
 def test_lora_under_pp2_on_4_ranks(ranks4, inner):
     layout = {"strategy": "fsdp2", "pp_size": 2, "pp_microbatches": 4, "pp_schedule": "1f1b", **inner}

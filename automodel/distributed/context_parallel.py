@@ -7,9 +7,10 @@ back), and masks causally by the tokens' global positions, which the model recei
 gloo (CPU) and NCCL alike; torch's own ``context_parallel`` has no sharding rule for the CPU SDPA kernel.
 
 The mask follows the documents the ``position_ids`` describe (a new one wherever they do not continue by one), so
-packed sequences keep each example to itself on every shard. Supported: causal decoder layers whose attention goes
-through transformers' attention interface, without sliding windows or attention sinks, and batches without padding
-masks (pack or pad to full length instead).
+packed sequences keep each example to itself on every shard; a padding ``attention_mask`` (sharded like the ids)
+hides the padded keys, as transformers' own masks do. Supported: decoder layers whose attention goes through
+transformers' attention interface, causal or bidirectional (the attention module's ``is_causal``), with logit
+soft-capping (Gemma-2's ``softcap``), without sliding windows or attention sinks.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         for module in layer.modules():
             module._automodel_cp_mesh = cp_mesh
     AttentionInterface.register(CP_ATTENTION, _context_parallel_attention)
-    # The kernel builds its own causal mask from global positions: the model need not build one.
-    AttentionMaskInterface.register(CP_ATTENTION, _no_mask)
+    # The kernel builds its own mask from global positions; the model only hands it the padding of its keys.
+    AttentionMaskInterface.register(CP_ATTENTION, _padding_only)
     model.set_attn_implementation(CP_ATTENTION)
 
 
@@ -69,8 +70,13 @@ def check_context_parallel(model: nn.Module) -> None:
             raise ValueError(f"Context parallelism cannot handle {name}: its attention has sinks. Use cp_size=1.")
 
 
-def _no_mask(*args, **kwargs) -> None:
-    return None
+def _padding_only(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask transformers' mask builders hand the attention: this rank's ``[batch, local tokens]`` padding mask
+    (True where a token is real), or None without one. Not dropped when this rank's part has no padding: the
+    kernel gathers it over ``cp``, and the other ranks' parts may."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    return attention_mask.bool()
 
 
 def _context_parallel_attention(
@@ -83,7 +89,9 @@ def _context_parallel_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention of the local queries against the whole sequence's keys and values."""
+    """Attention of the local queries against the whole sequence's keys and values: causal unless the module says
+    otherwise, within each document, over the keys ``attention_mask`` (this rank's padding, :func:`_padding_only`)
+    keeps, with Gemma-2's logit soft-capping when the layer passes ``softcap``."""
     mesh = module._automodel_cp_mesh
     positions = kwargs.get("position_ids")
     if positions is None:
@@ -96,17 +104,48 @@ def _context_parallel_attention(
     values = all_gather_autograd(value.contiguous(), gather_dim=2, group=group)
     positions = positions.expand(query.shape[0], -1)
     all_positions = all_gather(positions.contiguous(), gather_dim=1, group=group)
-    mask = _causal_document_mask(all_positions, mesh.size(), mesh.get_local_rank())
-    output = F.scaled_dot_product_attention(
-        query,
-        keys,
-        values,
-        attn_mask=mask,
-        dropout_p=dropout if module.training else 0.0,
-        scale=scaling,
-        enable_gqa=query.shape[1] != keys.shape[1],
-    )
+    causal = getattr(module, "is_causal", True)
+    mask = _causal_document_mask(all_positions, mesh.size(), mesh.get_local_rank(), causal=causal)
+    if attention_mask is not None:
+        kept = all_gather(attention_mask.to(torch.uint8).contiguous(), gather_dim=1, group=group).bool()
+        # Without the padded keys. A query left with none (a left pad) gets what transformers' attention gives it
+        # under the same mask (SDPA: zeros).
+        mask = mask & kept[:, None, None, :]
+    dropout = dropout if module.training else 0.0
+    softcap = kwargs.get("softcap")
+    if softcap:
+        output = _soft_capped_attention(query, keys, values, mask, scaling, dropout, softcap)
+    else:
+        output = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
     return output.transpose(1, 2).contiguous(), None
+
+
+def _soft_capped_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float | None,
+    dropout: float,
+    softcap: float,
+) -> torch.Tensor:
+    """transformers' eager attention with logit soft-capping (``softcap * tanh(scores / softcap)`` before the mask):
+    SDPA has no soft-capping, so the scores are materialized, as Gemma-2's own eager attention does."""
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = query @ keys.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = F.dropout(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), p=dropout)
+    return weights @ values
 
 
 def _chunk_order(cp_size: int, cp_rank: int) -> tuple[int, int]:
@@ -125,8 +164,11 @@ def _global_index(length: int, cp_size: int, cp_rank: int, device: torch.device)
     )
 
 
-def _causal_document_mask(all_positions: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """[batch, 1, local queries, all keys]: a query sees the keys at or before it in its own document.
+def _causal_document_mask(
+    all_positions: torch.Tensor, cp_size: int, cp_rank: int, *, causal: bool = True
+) -> torch.Tensor:
+    """[batch, 1, local queries, all keys]: a query sees the keys at or before it in its own document (with
+    ``causal=False``, every key of its document).
 
     ``all_positions`` are the model's ``position_ids`` gathered over ``cp`` (rank by rank). A document starts where
     the positions do not continue by one (transformers' packed-sequence rule), so a packed batch (positions restarting
@@ -139,9 +181,10 @@ def _causal_document_mask(all_positions: torch.Tensor, cp_size: int, cp_rank: in
     starts = torch.diff(in_order, prepend=in_order[:, :1] - 1, dim=-1) != 1
     documents = starts.cumsum(-1)[:, index]  # back in gathered order
     mine = slice(cp_rank * length, (cp_rank + 1) * length)
-    causal = index[mine][:, None] >= index[None, :]
     same_document = documents[:, mine, None] == documents[:, None, :]
-    return (same_document & causal)[:, None]
+    if causal:
+        same_document = same_document & (index[mine][:, None] >= index[None, :])
+    return same_document[:, None]
 
 
 def shard_batch_for_context_parallel(
@@ -149,8 +192,10 @@ def shard_batch_for_context_parallel(
     labels: torch.Tensor | None,
     cp_mesh: DeviceMesh,
     position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """This CP rank's part of a causal-LM batch: ``input_ids``, ``position_ids`` and ``shift_labels``.
+    """This CP rank's part of a causal-LM batch: ``input_ids``, ``position_ids``, ``shift_labels`` and, when given,
+    the padding ``attention_mask``.
 
     Labels are shifted over the whole sequence first (the loss of the last token of one shard needs the first token
     of the next), so call the model as ``model(**batch, labels=batch["shift_labels"])``: transformers' causal-LM
@@ -170,6 +215,8 @@ def shard_batch_for_context_parallel(
     batch = {"input_ids": input_ids, "position_ids": position_ids.expand(input_ids.shape[0], -1)}
     if labels is not None:
         batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    if attention_mask is not None:
+        batch["attention_mask"] = attention_mask
     chunk = length // (2 * cp_size)
     first, second = _chunk_order(cp_size, cp_rank)
     return {

@@ -152,9 +152,9 @@ class DistributedBatchLoader:
 
 
 def joined_batch(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A pipeline step's inputs: the micro batches' ids, labels and packed positions, one row after another (the
-    schedule splits them into its microbatches again)."""
-    keys = [key for key in ("input_ids", "labels", "position_ids") if key in micro_batches[0]]
+    """A pipeline step's inputs: the micro batches' ids, labels, packed positions and padding mask, one row after
+    another (the schedule splits them into its microbatches again)."""
+    keys = [key for key in ("input_ids", "labels", "position_ids", "attention_mask") if key in micro_batches[0]]
     return {key: torch.cat([batch[key] for batch in micro_batches]) for key in keys}
 
 

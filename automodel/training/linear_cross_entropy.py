@@ -151,22 +151,26 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             del grad_logits
         if grad_hidden is not None and vocab.group is not None:
             dist.all_reduce(grad_hidden, group=vocab.group)  # each rank's part covers its vocabulary rows
-        empty = torch.empty(0)
-        ctx.save_for_backward(
-            grad_hidden if grad_hidden is not None else empty,
-            grad_weight.result() if grad_weight is not None else empty,
-            grad_bias.to(bias.dtype) if grad_bias is not None else empty,
+        # This function's own buffers (no input or output of it), kept on ctx rather than saved for backward: the
+        # backward scales them in place (no second copy of the head's gradient), and a zero-bubble pipeline schedule
+        # runs the backward twice (for the inputs, then for the weights), which saved tensors' version check forbids.
+        ctx.grads = (
+            grad_hidden,
+            grad_weight.result() if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
         )
+        ctx.scaled = False
         return total
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
-        # Scaled in place: the saved gradients are this function's own buffers, used once.
-        grads = [
-            grad.mul_(grad_output.to(grad.dtype)) if needed else None
-            for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3], strict=True)
-        ]
+        if not ctx.scaled:  # scaled once: a second run of this backward (zero-bubble's weight pass) reuses them
+            for grad in ctx.grads:
+                if grad is not None:
+                    grad.mul_(grad_output.to(grad.dtype))
+            ctx.scaled = True
+        grads = [grad if needed else None for grad, needed in zip(ctx.grads, ctx.needs_input_grad[:3], strict=True)]
         return (*grads, None, None, None, None, None, None)
 
 

@@ -96,12 +96,15 @@ def model_inputs(batch: dict[str, torch.Tensor], context: MeshContext, device: t
         inputs = {key: value.to(device) for key, value in batch.items() if key != "num_tokens"}
         return {**inputs, "use_cache": False}
     local = shard_batch_for_context_parallel(
-        batch["input_ids"], batch["labels"], context.mesh("cp"), batch.get("position_ids")
+        batch["input_ids"], batch["labels"], context.mesh("cp"), batch.get("position_ids"), batch.get("attention_mask")
     )
-    return {
+    inputs = {
         "input_ids": local["input_ids"].to(device),
         "position_ids": local["position_ids"].to(device),
         "labels": local["shift_labels"].to(device),
         "shift_labels": local["shift_labels"].to(device),
         "use_cache": False,
     }
+    if "attention_mask" in local:
+        inputs["attention_mask"] = local["attention_mask"].to(device)
+    return inputs

@@ -336,3 +336,34 @@ def export_matches(layout: dict[str, Any], tie: bool) -> dict[str, Any]:
             n for n, t in reloaded.state_dict().items() if not torch.allclose(t, plain_state[n], atol=1e-6)
         ],
     }
+
+
+def training_step_parity(
+    layout: dict[str, Any], loss: str | None = None, left_padded: bool = False
+) -> dict[str, float]:
+    """``automodel.training.step.train_step`` (what the recipes run: micro batches joined for the schedule) with
+    ``loss`` (``make_loss``; None: the model's own), on a batch ``left_padded`` by 0-3 tokens per row (its
+    ``attention_mask`` and ``-100`` labels), against plain transformers on the whole batch: the loss and every
+    gradient."""
+    from automodel.training.loss import make_loss
+    from automodel.training.step import train_step
+
+    reference = plain_model("llama")
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForCausalLM.from_pretrained(_saved(reference), mesh_context=context).train()
+    input_ids = token_batch(8, 16, seed=7)
+    attention_mask = torch.ones_like(input_ids)
+    for row in range(8):
+        attention_mask[row, : row % 4 if left_padded else 0] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    padding = {"attention_mask": attention_mask} if left_padded else {}
+    micro_batches = [
+        {"input_ids": input_ids[rows], "labels": labels[rows], **{k: v[rows] for k, v in padding.items()}}
+        for rows in (slice(0, 4), slice(4, 8))
+    ]
+    result = train_step(model, micro_batches, context, make_loss(loss) if loss else None)
+    expected = reference(input_ids=input_ids, labels=labels, **padding).loss
+    expected.backward()
+    plain = dict(reference.named_parameters(remove_duplicate=False))
+    grad = max((full_tensor(p.grad) - plain[n].grad).abs().max().item() for n, p in model.named_parameters())
+    return {"loss": abs(result.item() - expected.item()), "grad": grad}
