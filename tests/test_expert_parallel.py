@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cases.context_parallel import cp_parity
-from tests.cases.expert_parallel import ep_error, ep_parity, moe_fsdp_primitive, parity_or_refusal
+from tests.cases.expert_parallel import ep_error, ep_parity, moe_fsdp_primitive, parity_or_refusal, router_loss_step
 
 pytestmark = pytest.mark.distributed
 
@@ -120,3 +120,12 @@ def test_sequence_parallel_has_one_answer_with_and_without_ep(ranks4, architectu
     assert answers[0] == answers[1], answers
     expected = SP_ANSWERS[architecture]
     assert (answers[0] is None) if expected is None else (expected in answers[0]), answers[0]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("layout", [{"strategy": "fsdp2"}, {"strategy": "fsdp2", "ep_size": 2}], ids=["fsdp2", "ep2"])
+def test_the_router_loss_counts_once_per_step_whatever_the_micro_batches(ranks2, layout, micro_batches):
+    """The router loss is a mean over a forward's tokens: each micro batch's counts 1 / micro batches of the step
+    (it was counted once per micro batch), averaged over the ranks like the gradients."""
+    for result in ranks2.run(router_loss_step, layout, micro_batches):
+        assert result["loss"] <= 1e-5, result

@@ -57,10 +57,22 @@ _EXTRA_LOSS_TERMS = ("output_router_logits",)
 
 @dataclass(frozen=True)
 class ModelLoss:
-    """The model's own loss: ``model(**inputs, num_items_in_batch=n).loss`` (full logits)."""
+    """The model's own loss: ``model(**inputs, num_items_in_batch=n).loss`` (full logits).
+
+    A MoE model's auxiliary router loss (``output_router_logits``: ``router_aux_loss_coef * aux_loss`` added to the
+    loss) is a mean over the forward's tokens, not a token sum like the cross-entropy, so it counts ``aux_share`` of
+    its value: the training step passes ``1 / micro batches``, so that the step's loss holds the micro batches' mean
+    auxiliary loss (Megatron's micro-batch load balancing) rather than their sum."""
+
+    aux_share: float = 1.0
 
     def __call__(self, model: nn.Module, inputs: dict[str, torch.Tensor], num_items: torch.Tensor | None):
-        return model(**inputs, num_items_in_batch=num_items).loss
+        output = model(**inputs, num_items_in_batch=num_items)
+        aux = getattr(output, "aux_loss", None)
+        if aux is None or self.aux_share == 1.0 or output.loss is None:
+            return output.loss
+        coefficient = getattr(getattr(model, "module", model), "router_aux_loss_coef", 0.0)
+        return output.loss - (1.0 - self.aux_share) * coefficient * aux.to(output.loss.device)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ def train_step(
     num_items = (valid / averaged_over).to(device)
     if isinstance(model, PipelinedModel):
         return _pipelined_train_step(model, micro_batches, context, loss_fn, num_items)
+    if loss_fn is None or isinstance(loss_fn, ModelLoss):  # a router loss counts once per step, not per micro batch
+        loss_fn = ModelLoss(aux_share=1 / len(micro_batches))
     total = torch.zeros((), device=device)
     # ZeRO-2 (reshard_after_forward never): the parameters stay unsharded through the accumulation, gathered once.
     keep_unsharded = getattr(context.strategy, "reshard_after_forward", None) is False
@@ -64,7 +66,7 @@ def train_step(
             if keep_unsharded:
                 model.set_reshard_after_backward(last)
         inputs = model_inputs(batch, context, device)
-        loss = (loss_fn or ModelLoss())(model, inputs, num_items)
+        loss = loss_fn(model, inputs, num_items)
         loss.backward()
         total += loss.detach()
     dist.all_reduce(total, group=context.mesh("dp_cp").get_group())

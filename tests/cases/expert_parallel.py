@@ -113,3 +113,28 @@ def _record_view_outputs_of_fsdp_units(model: torch.nn.Module) -> list[str]:
         if isinstance(module, FSDPModule):
             module.register_forward_hook(record(name))
     return views
+
+
+def router_loss_step(layout: dict[str, Any], micro_batches: int) -> dict[str, float]:
+    """A training step of Mixtral with its auxiliary router loss on (coefficient 0.5), split into ``micro_batches``
+    per rank, against one plain process: the whole batch's cross-entropy plus the coefficient times the mean of the
+    router loss over every rank's micro batches (each the model's own on its tokens)."""
+    import torch.distributed as dist
+
+    from automodel.training.step import train_step
+
+    config = tiny_config("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    reference = build_model(config)
+    context = MeshContext.build(**layout)
+    model = ModelParallelizer().parallelize(copy.deepcopy(reference), context)
+    batch = token_batch(batch_size=8)
+    rows = batch.shape[0] // context.dp_size
+    mine = batch[context.mesh("dp").get_local_rank() * rows :][:rows]
+    pieces = mine.chunk(micro_batches)
+    loss = train_step(model, [{"input_ids": piece, "labels": piece} for piece in pieces], context)
+    with torch.no_grad():
+        cross_entropy = reference(input_ids=batch, labels=batch, output_router_logits=False).loss
+        every_piece = batch.chunk(context.dp_size * micro_batches)
+        aux = torch.stack([reference(input_ids=piece, output_router_logits=True).aux_loss for piece in every_piece])
+    dist.barrier()
+    return {"loss": abs(loss.item() - (cross_entropy + 0.5 * aux.mean()).item())}
