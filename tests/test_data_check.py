@@ -138,6 +138,28 @@ def test_a_folder_is_checked_file_by_file(tmp_path):
         check_data(tmp_path, "sft")
 
 
+def test_chats_and_pairs_mixed_in_a_table_are_read_row_by_row(tmp_path):
+    """A table of chats and prompt / completion pairs (parquet, or JSON through pandas) has every column in every
+    row, null where the row has none: a null field is an absent one, in tables and in JSONL alike."""
+    from automodel.training.data_check import sft_messages
+
+    pair = {"prompt": "Hi", "completion": "Hello!"}
+    blank = {"messages": None, "prompt": None, "completion": None}  # every column in every row, as pandas writes
+    pq.write_table(pa.Table.from_pylist([{**blank, **CHAT}, {**blank, **pair}]), tmp_path / "mixed.parquet")
+    assert check_data(tmp_path / "mixed.parquet", "sft") == 2
+    records = load_records(tmp_path / "mixed.parquet", kind="sft")
+    assert [sft_messages(record) for record in records] == [
+        CHAT["messages"],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+    ]
+    _jsonl(tmp_path / "nulls.jsonl", [json.dumps({"messages": None, **pair}), json.dumps({**CHAT, "prompt": None})])
+    assert check_data(tmp_path / "nulls.jsonl", "sft") == 2
+    neither = [{**blank, **CHAT}, {**blank, "prompt": "Hi"}]
+    pq.write_table(pa.Table.from_pylist(neither), tmp_path / "neither.parquet")
+    with pytest.raises(DataError, match=r"row 1 \(from 0\): neither 'messages' nor both 'prompt' and 'completion'"):
+        check_data(tmp_path / "neither.parquet", "sft")
+
+
 def test_parquet_and_arrow_rows_are_checked_batch_by_batch(tmp_path):
     empty_chat = {"messages": []}
     no_content = {"messages": [{"role": "user", "content": None}]}

@@ -64,6 +64,8 @@ def test_yaml_and_overrides_give_typed_sections(config_file):
         ("train.betas=[1.5, 0.95]", "train.betas=[1.5, 0.95]: each of AdamW's two betas must be in [0, 1)"),
         ("train.betas=[0.9, 1.0]", "must be in [0, 1)"),
         ("train", "is not `dotted.key=value`"),
+        ("train.log_every=0", "train.log_every=0 must be at least 1"),
+        ("train.seq_len=1", "train.seq_len=1 leaves no token to predict"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(config_file, override, message):
@@ -234,3 +236,16 @@ def test_the_model_card_lists_the_layout_choices_not_its_defaults(config_file):
     assert plain == {"strategy": "fsdp2", "tp_size": 2}, plain
     pipelined = training_summary(load_config(config_file, ["layout.pp_size=2", "layout.pp_schedule=gpipe"]))["layout"]
     assert pipelined == {"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "gpipe"}, pipelined
+
+
+def test_a_loss_that_is_not_a_number_stops_the_run_at_its_step():
+    import torch
+
+    from automodel.training.loop import _check_finite
+
+    _check_finite(3, 2.5, torch.tensor(1.0))
+    for loss in (float("nan"), float("inf")):
+        with pytest.raises(
+            FloatingPointError, match=rf"step 3: the loss is {loss} \(gradient norm nan\): training diverged"
+        ):
+            _check_finite(3, loss, torch.tensor(float("nan")))

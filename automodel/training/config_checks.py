@@ -81,9 +81,14 @@ def validate_config(config: RecipeConfig) -> None:
     if not model.path:
         raise ConfigError("model.path is required: a hub id or a local checkpoint directory.")
     _validate_data(config)
-    for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "loss_chunk_size"):
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "seq_len", "loss_chunk_size", "log_every"):
         if getattr(train, key) < 1:
             raise ConfigError(f"train.{key}={getattr(train, key)} must be at least 1.")
+    if train.seq_len < 2:  # a causal LM's loss needs a next token
+        raise ConfigError(
+            f"train.seq_len={train.seq_len} leaves no token to predict (each token's target is the next one): use 2 "
+            "or more."
+        )
     if train.global_batch_size % train.micro_batch_size:
         raise ConfigError(
             f"train.global_batch_size={train.global_batch_size} must be a multiple of "

@@ -39,7 +39,11 @@ def record_problem(record: Any, kind: str) -> str | None:
         if isinstance(record.get("text"), str):
             return None
         return f" has no string 'text' field (keys: {sorted(record)}); pretraining records look like {{'text': '...'}}"
-    if "messages" in record or ("prompt" in record and "completion" in record):
+    # A null field is an absent one: a table (parquet, a JSON array through pandas) of chats and pairs mixed has
+    # every column in every row, null where a row has none.
+    if record.get("messages") is not None or (
+        record.get("prompt") is not None and record.get("completion") is not None
+    ):
         return _messages_problem(sft_messages(record), (str, list) if kind == "vlm" else str)
     return (
         f" has keys {sorted(record)}; expected a chat {{'messages': [{{'role', 'content'}}, ...]}} or a pair "
@@ -50,7 +54,7 @@ def record_problem(record: Any, kind: str) -> str | None:
 def sft_messages(record: dict) -> Any:
     """An SFT record's messages: its ``messages``, or its prompt / completion pair as a user and an assistant turn (a
     conversational pair, whose parts are message lists, joined)."""
-    if "messages" in record:
+    if record.get("messages") is not None:
         return record["messages"]
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, list) and isinstance(completion, list):

@@ -29,6 +29,10 @@ def check_table(path: Path, kind: str) -> int:
     column sets is there, of the right types, and no row lacks a value; the number of rows."""
     schema, batches = _open_table(path)
     columns = next((names for names in _COLUMNS[kind] if all(name in schema.names for name in names)), None)
+    # Chats and prompt / completion pairs mixed in one table: each row has one or the other (the rest null).
+    either = kind == "sft" and all(name in schema.names for name in ("messages", "prompt", "completion"))
+    if either:
+        columns = ("messages", "prompt", "completion")
     if columns is None:
         wanted = " or ".join(" + ".join(repr(name) for name in names) for names in _COLUMNS[kind])
         raise DataError(f"{path}: no column {wanted} for {_READERS[kind]} (its columns: {schema.names})")
@@ -42,7 +46,7 @@ def check_table(path: Path, kind: str) -> int:
     rows = 0
     for batch in batches(columns):
         table = pa.Table.from_batches([batch]).select(list(columns))
-        problem = _batch_problem(table)
+        problem = _batch_problem(table, either=either)
         if problem is not None:
             row, what = problem
             raise DataError(f"{path}: row {rows + row} (from 0): {what}")
@@ -79,12 +83,18 @@ def _is_string(kind) -> bool:
     return kind is not None and (pa.types.is_string(kind) or pa.types.is_large_string(kind))
 
 
-def _batch_problem(table) -> tuple[int, str] | None:
+def _batch_problem(table, *, either: bool = False) -> tuple[int, str] | None:
     """The first row of ``table`` (its rows' index, what is wrong) with a null value, an empty chat, or a message
-    without role or content; ``None`` when every row is whole."""
+    without role or content; ``None`` when every row is whole. ``either``: the table has 'messages', 'prompt' and
+    'completion', and a row needs only the chat or the pair."""
+    if either:
+        no_pair = pc.or_(pc.is_null(table.column("prompt")), pc.is_null(table.column("completion")))
+        neither = pc.and_(pc.is_null(table.column("messages")), no_pair)
+        if pc.any(neither).as_py():
+            return _first(neither), "neither 'messages' nor both 'prompt' and 'completion'"
     for name in table.column_names:
         column = table.column(name).combine_chunks()
-        if column.null_count:
+        if column.null_count and not either:
             return _first(pc.is_null(column)), f"{name!r} is null"
         if name != "messages":
             continue

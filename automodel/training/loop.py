@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -246,6 +247,7 @@ def _run(config: RecipeConfig, preemption: PreemptionHandler) -> TrainResult:
             tokens, stop = _step_facts(micro_batches, preemption, context, device)
             seconds = time.perf_counter() - start
             result.losses.append(loss.item())
+            _check_finite(step + 1, result.losses[-1], norm)
             result.learning_rates.append(lr)
             throughput = Throughput(
                 tokens / seconds,
@@ -382,6 +384,18 @@ def _should_save(config: RecipeConfig, step: int, last: int) -> bool:
     if directory is None:
         return False
     return step == last or (every > 0 and step % every == 0)
+
+
+def _check_finite(step: int, loss: float, norm: torch.Tensor) -> None:
+    """Stop a run whose loss is not a number before it checkpoints or exports it: the loss is reduced over the ranks,
+    so every rank stops at the same step."""
+    if math.isfinite(loss):
+        return
+    raise FloatingPointError(
+        f"step {step}: the loss is {loss} (gradient norm {norm.item():.4g}): training diverged, so the run stops "
+        "before a checkpoint or an export holds these weights. Lower train.lr, set train.max_grad_norm, or look for "
+        "a batch with extreme values."
+    )
 
 
 def _log(step, loss, lr, norm, throughput: Throughput, seconds, bar, trackers: Trackers, every, bubble=None) -> None:
