@@ -160,6 +160,55 @@ def test_chats_and_pairs_mixed_in_a_table_are_read_row_by_row(tmp_path):
         check_data(tmp_path / "neither.parquet", "sft")
 
 
+def test_a_folder_is_one_kind_of_data_file_and_split_by_file_names(tmp_path):
+    """What the loader reads in a folder is what the check checks: one kind of data file (two kinds are refused,
+    never one read and the other dropped), and where the file names say which split each holds (``datasets``'
+    rule), the files of the split asked for."""
+    pair = {"prompt": "p", "completion": "c"}
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    _jsonl(mixed / "a.jsonl", [json.dumps(CHAT)])
+    pq.write_table(pa.Table.from_pylist([CHAT]), mixed / "b.parquet")
+    for read in (lambda: check_data(mixed, "sft"), lambda: load_records(mixed, kind="sft")):
+        with pytest.raises(DataError, match=r"holds \.jsonl and \.parquet data files"):
+            read()
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text("a document")
+    _jsonl(text / "b.jsonl", [json.dumps({"text": "another"})])
+    with pytest.raises(DataError, match=r"holds \.jsonl and \.txt data files"):
+        load_texts(text)
+    (text / "a.txt").rename(text / "README.txt")  # beside chats, text files are not data: SFT reads the JSONL
+    (text / "dataset_info.json").write_text("{}")
+    _jsonl(text / "b.jsonl", [json.dumps(CHAT)])
+    assert check_data(text, "sft") == 1 and len(load_records(text, kind="sft")) == 1
+
+    splits = tmp_path / "splits"
+    splits.mkdir()
+    _jsonl(splits / "train.jsonl", [json.dumps(CHAT)] * 3)
+    _jsonl(splits / "validation.jsonl", [json.dumps(pair)])
+    assert check_data(splits, "sft") == 3 and check_data(splits, "sft", "validation") == 1
+    assert load_records(splits, kind="sft") == [CHAT] * 3
+    assert load_records(splits, kind="sft", split="validation") == [pair]
+    with pytest.raises(DataError, match=r"holds the splits \['train', 'validation'\] \(by file name\) and not 'test'"):
+        load_records(splits, kind="sft", split="test")
+    _jsonl(splits / "notes.jsonl", [json.dumps(CHAT)])
+    with pytest.raises(DataError, match=r"files of no split \(notes\.jsonl\)"):
+        check_data(splits, "sft")
+
+
+def test_a_saved_dataset_with_splits_gives_the_split_asked_for(tmp_path):
+    import datasets
+
+    pair = {"prompt": "p", "completion": "c"}
+    train = datasets.Dataset.from_list([{"prompt": "t", "completion": "c"}] * 2)
+    datasets.DatasetDict({"train": train, "validation": datasets.Dataset.from_list([pair])}).save_to_disk(
+        tmp_path / "d"
+    )
+    assert len(load_records(tmp_path / "d", kind="sft")) == 2
+    assert load_records(tmp_path / "d", kind="sft", split="validation") == [pair]
+
+
 def test_parquet_and_arrow_rows_are_checked_batch_by_batch(tmp_path):
     empty_chat = {"messages": []}
     no_content = {"messages": [{"role": "user", "content": None}]}

@@ -78,6 +78,15 @@ def test_a_data_path_that_does_not_exist_or_is_empty(launch, model, tmp_path):
     (tmp_path / "folder").mkdir()
     status, err, started = launch(model, tmp_path / "folder")
     assert (status, started) == (2, False) and "a folder without any file" in err
+    (tmp_path / "folder" / "part-00000.staging").mkdir()  # a killed prepare-data
+    (tmp_path / "folder" / "part-00000.staging" / "tokens.bin").write_bytes(b"\0" * 8)
+    status, err, started = launch(model, tmp_path / "folder")
+    assert (status, started) == (2, False) and "holds an unfinished `automodel prepare-data` output" in err
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "mixed" / "b.csv").write_text("text\nb\n")
+    status, err, started = launch(model, tmp_path / "mixed")
+    assert (status, started) == (2, False) and "holds .csv and .jsonl data files" in err
 
 
 def test_output_folders_that_are_files_or_not_writable(launch, model, tmp_path):

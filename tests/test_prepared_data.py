@@ -127,9 +127,9 @@ def test_an_interrupted_run_leaves_the_folder_as_it_was(model, corpus, tmp_path,
     monkeypatch.setattr(prepare_data._Buffers, "add", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _prepare(model, [corpus], output, "--workers", "1")
-    assert list(output.glob("*.staging")), "the interrupted part is left under its staging name"
-    assert {k: v for k, v in _files(output).items() if ".staging" not in k} == before
+    assert _files(output) == before, "the interrupted part is removed"
     monkeypatch.undo()
+    (output / "part-00001.staging").mkdir()  # what a killed run (no exception handler ran) leaves
     assert _prepare(model, [corpus], output, "--workers", "1") == 0  # appends, and removes the staging part
     assert not list(output.glob("*.staging")) and len(PreparedCorpus(output).manifest["parts"]) == 2
 
@@ -169,6 +169,13 @@ def test_empty_sources_are_refused(model, tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{not json\n')
     assert _prepare(model, [tmp_path / "bad.jsonl"], tmp_path / "c") == 2
     assert f"{tmp_path / 'bad.jsonl'}:2: not valid JSON (" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists(), "a failed run leaves no folder it created"
+    splits = tmp_path / "splits"
+    splits.mkdir()
+    for name in ("train.jsonl", "validation.jsonl"):
+        (splits / name).write_text('{"text": "a"}\n')
+    assert _prepare(model, [splits], tmp_path / "d") == 2
+    assert "holds the files of the splits ['train', 'validation']" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "index", "manifest"])

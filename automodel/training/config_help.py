@@ -38,7 +38,7 @@ KEY_MEANINGS = {
     "data.seed": "the shuffling seed (each epoch reshuffles deterministically)",
     "data.validation_path": "held-out data in data.path's format, evaluated as eval loss",
     "data.blend": "pretraining: prepared folders mixed at weights, [{path: A, weight: 0.7}, ...] (instead of path)",
-    "data.split": "with a hub dataset id as data.path (org/name): the split to train on",
+    "data.split": "the split to train on: of a hub dataset id (org/name), or of a local dataset with several",
     "data.name": "with a hub dataset id as data.path: the dataset's configuration name",
     "data.allow_tokenizer_mismatch": "train on prepared data whose manifest names another tokenizer than the model's",
     "train.max_steps": "optimizer steps; the learning-rate schedule ends here",

@@ -96,7 +96,8 @@ class DataSection:
     # Held-out data in the same format, evaluated every train.eval_every_steps and at the end (eval loss in the log).
     validation_path: str | None = None
     blend: tuple[BlendSource, ...] = ()
-    # With a hub dataset id as data.path (org/name): the split to train on and the dataset's configuration name.
+    # The split to train on (of a hub dataset id, org/name; of a local dataset with several, by file name or saved
+    # splits) and a hub dataset's configuration name.
     split: str = "train"
     name: str | None = None
     # Train on prepared data whose tokenizer is not the model's (its manifest names another): only if you know why.

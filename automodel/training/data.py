@@ -25,7 +25,7 @@ __all__ = [
     "tokenize_sft",
 ]
 
-from .data_check import iter_jsonl, record_problem, sft_messages
+from .data_check import folder_files, iter_jsonl, record_problem, sft_messages
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,15 @@ def load_records(
     if path.is_file() and path.suffix == ".jsonl":
         return [record for _, record in iter_jsonl(path, kind)]
     if path.is_dir():
-        jsonl_files = sorted(path.glob("*.jsonl"))
-        if jsonl_files:
-            return [record for file in jsonl_files for _, record in iter_jsonl(file, kind)]
         if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
-            return _load_saved_dataset(path)
-        return _load_with_datasets(path, str(path), data_files=None, cache_dir=cache_dir)
+            return _load_saved_dataset(path, split)
+        files = folder_files(path, kind or "sft", split)
+        if files and files[0].suffix == ".jsonl":
+            return [record for file in files for _, record in iter_jsonl(file, kind)]
+        if files:
+            builder = _DATASETS_BUILDERS[files[0].suffix]
+            return _load_with_datasets(path, builder, [str(file) for file in files], cache_dir, split)
+        return _load_with_datasets(path, str(path), data_files=None, cache_dir=cache_dir, split=split)
     builder = _DATASETS_BUILDERS.get(path.suffix)
     if builder is None:
         raise ValueError(f"Cannot read {str(path)!r}: unknown file type {path.suffix!r}; expected {ACCEPTED_FORMATS}")
@@ -122,11 +125,11 @@ def load_texts(
     path = Path(path)
     if path.is_file() and path.suffix == ".txt":
         return [path.read_text(encoding="utf-8-sig")]
-    if path.is_dir() and not any(path.glob("*.jsonl")):
-        txt_files = sorted(path.glob("*.txt"))
-        if txt_files:
-            return [file.read_text(encoding="utf-8-sig") for file in txt_files]
-    records = load_records(path, cache_dir=cache_dir, kind="pretrain")
+    if path.is_dir() and not (path / "state.json").exists() and not (path / "dataset_dict.json").exists():
+        files = folder_files(path, "pretrain", split)
+        if files and files[0].suffix == ".txt":
+            return [file.read_text(encoding="utf-8-sig") for file in files]
+    records = load_records(path, cache_dir=cache_dir, split=split, kind="pretrain")
     return [_text_of(record, index, path) for index, record in enumerate(records)]
 
 
@@ -164,30 +167,33 @@ def _import_datasets():
     return datasets
 
 
-def _load_saved_dataset(path: Path) -> list[dict]:
+def _load_saved_dataset(path: Path, split: str) -> list[dict]:
     dataset = _import_datasets().load_from_disk(str(path))
-    return _single_split(dataset, path).to_list()
+    return _single_split(dataset, path, split).to_list()
 
 
-def _load_with_datasets(path: Path, builder: str, data_files: str | None, cache_dir: str | Path | None) -> list[dict]:
+def _load_with_datasets(
+    path: Path, builder: str, data_files: str | list[str] | None, cache_dir: str | Path | None, split: str = "train"
+) -> list[dict]:
     datasets = _import_datasets()
     cache_dir = None if cache_dir is None else str(cache_dir)
     try:
         dataset = datasets.load_dataset(builder, data_files=data_files, cache_dir=cache_dir)
     except Exception as error:  # datasets raises many types; name the path and the formats instead
         raise ValueError(f"`datasets` could not read {str(path)!r} ({error}); expected {ACCEPTED_FORMATS}") from error
-    return _single_split(dataset, path).to_list()
+    return _single_split(dataset, path, split).to_list()
 
 
-def _single_split(dataset: Any, path: Path) -> Any:
-    """The dataset itself, or the ``train`` (or only) split of a ``DatasetDict``."""
+def _single_split(dataset: Any, path: Path, split: str = "train") -> Any:
+    """The dataset itself, or the ``split`` split of a ``DatasetDict`` (its only split when it has one: a folder of
+    files of no split is read as ``train``)."""
     if not hasattr(dataset, "keys"):
         return dataset
-    if "train" in dataset:
-        return dataset["train"]
+    if split in dataset:
+        return dataset[split]
     if len(dataset) == 1:
         return next(iter(dataset.values()))
-    raise ValueError(f"{str(path)!r} holds splits {sorted(dataset)} and none is 'train'; point at one split's files")
+    raise ValueError(f"{str(path)!r} holds the splits {sorted(dataset)} and not {split!r}; choose one (data.split)")
 
 
 # ------------------------------------------------------------------------------------------------------------- SFT

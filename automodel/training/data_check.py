@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +22,17 @@ from typing import Any
 
 from .data_errors import DataError
 
-__all__ = ["DataError", "check_data", "check_jsonl", "data_files", "iter_jsonl", "record_problem", "sft_messages"]
+__all__ = [
+    "DataError",
+    "check_data",
+    "check_jsonl",
+    "data_files",
+    "folder_files",
+    "iter_jsonl",
+    "record_problem",
+    "sft_messages",
+    "split_of",
+]
 
 _TABLES = (".parquet", ".arrow")
 _BLOCK_BYTES = 4 << 20  # JSONL is decoded this much at a time
@@ -226,23 +237,85 @@ def _line_starts(path: Path, offsets: list[int]) -> list[int]:
     return starts
 
 
-def data_files(path: str | Path) -> list[Path]:
+# The data files a folder's records are read from (``folder_files``). ``.json`` is data only in a folder of nothing
+# else (beside other data it is metadata), ``.txt`` only for pretraining (each file one document).
+_RECORD_SUFFIXES = (".jsonl", ".parquet", ".arrow", ".csv")
+# ``datasets``' names for the files of a split (``train.jsonl``, ``data-validation-00000.parquet``, ``dev.csv``).
+_SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_SEPARATOR = "[-._ 0-9]"
+
+
+def split_of(name: str) -> str | None:
+    """The split a data file's name puts it in, by ``datasets``' rule (a split's word at the start of the name or
+    between separators: ``train.jsonl``, ``my_valid_set.parquet``), or ``None``."""
+    lower = name.lower()
+    for split, words in _SPLIT_WORDS.items():
+        for word in words:
+            if re.match(f"{word}{_SEPARATOR}", lower) or re.search(f"{_SEPARATOR}{word}{_SEPARATOR}", lower):
+                return split
+    return None
+
+
+def folder_files(folder: str | Path, kind: str, split: str = "train") -> list[Path]:
+    """The data files directly in ``folder`` that the records of ``split`` are read from, sorted by name: one kind of
+    file (a folder holding JSONL and parquet, or for pretraining text and JSONL, is refused: which one was meant?);
+    where the names say which split each file holds (``datasets``' rule, :func:`split_of`), the files of ``split``,
+    else all of them. ``[]`` when the folder has no data file of its own (``datasets`` may still read its
+    subfolders)."""
+    folder = Path(folder)
+    files = [item for item in sorted(folder.iterdir()) if item.is_file()]
+    suffixes = _RECORD_SUFFIXES + ((".txt",) if kind == "pretrain" else ())
+    data = [item for item in files if item.suffix in suffixes] or [item for item in files if item.suffix == ".json"]
+    kinds = sorted({item.suffix for item in data})
+    if len(kinds) > 1:
+        raise DataError(
+            f"{folder} holds {' and '.join(kinds)} data files; a folder is read as one kind of file. Move the others "
+            "to a folder of their own (or point at one file)."
+        )
+    splits = {item: split_of(item.name) for item in data}
+    if not any(splits.values()):
+        return data
+    unnamed = [item.name for item, named in splits.items() if named is None]
+    if unnamed:
+        raise DataError(
+            f"{folder} holds files named for a split ({', '.join(sorted({s for s in splits.values() if s}))}) and "
+            f"files of no split ({', '.join(unnamed[:3])}): name every file for its split, or move the others out."
+        )
+    chosen = [item for item, named in splits.items() if named == split]
+    if not chosen:
+        raise DataError(
+            f"{folder} holds the splits {sorted(set(splits.values()))} (by file name) and not {split!r}: point at "
+            "the files of the split you mean."
+        )
+    return chosen
+
+
+def data_files(path: str | Path, kind: str = "sft", split: str = "train") -> list[Path]:
     """The files of ``path`` whose records :func:`check_data` checks: a JSONL, parquet or arrow file itself; in a
-    folder, its JSONL files (what the loader reads there), else every parquet / arrow file under it."""
+    folder, its JSONL, parquet or arrow files of ``split`` (:func:`folder_files`: what the loader reads there), else
+    every parquet / arrow file under it (a folder ``datasets`` reads)."""
     path = Path(path)
     if path.is_file():
         return [path] if path.suffix in (".jsonl", *_TABLES) else []
     if not path.is_dir():
         return []
-    jsonl = sorted(path.glob("*.jsonl"))
-    return jsonl or sorted(file for file in path.rglob("*") if file.suffix in _TABLES and file.is_file())
+    if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+        return []  # a saved dataset: the loader reads it (and picks its split)
+    own = folder_files(path, kind, split)
+    if own:
+        return [item for item in own if item.suffix in (".jsonl", *_TABLES)]
+    return sorted(file for file in path.rglob("*") if file.suffix in _TABLES and file.is_file())
 
 
-def check_data(path: str | Path, kind: str) -> int:
+def check_data(path: str | Path, kind: str, split: str = "train") -> int:
     """Check every record of the JSONL, parquet and arrow files at ``path`` (:func:`data_files`) of ``kind``,
     streamed; the number of records checked. Raises :class:`DataError` at the first mistake, or when the files hold
     no record at all. Other formats (text, csv, hub datasets, prepared folders) are left to the loader."""
-    files = data_files(path)
+    files = data_files(path, kind, split)
     count = 0
     for file in files:
         if file.suffix == ".jsonl":

@@ -118,6 +118,12 @@ def _check_data(key: str, value: str) -> None:
         raise ConfigError(f"{key}={value} is an empty file: there is nothing to train on.")
     if path.is_dir() and not any(item.is_file() for item in path.rglob("*")):
         raise ConfigError(f"{key}={value} is a folder without any file in it: there is nothing to train on.")
+    unfinished = sorted(item.name for item in path.glob("*.staging")) if path.is_dir() else []
+    if unfinished and not (path / "manifest.json").exists():
+        raise ConfigError(
+            f"{key}={value} holds an unfinished `automodel prepare-data` output ({unfinished[0]}, no manifest.json): "
+            "the run that wrote it stopped. Run automodel prepare-data again."
+        )
 
 
 def _check_hub_dataset(key: str, value: str) -> None:
@@ -179,10 +185,14 @@ def _check_records(config: RecipeConfig, model_directory: Path) -> None:
         and model_kind(str(model_directory), config.model.kind, trust_remote_code=trust) == IMAGE_TEXT_TO_TEXT
     ):
         kind = "vlm"  # chats whose contents may be lists of text and image parts
-    for key, value in (("data.path", config.data.path), ("data.validation_path", config.data.validation_path)):
+    sources = (
+        ("data.path", config.data.path, config.data.split),
+        ("data.validation_path", config.data.validation_path, "validation"),
+    )
+    for key, value, split in sources:
         if value and Path(value).exists() and not is_prepared(value):
             try:
-                check_data(value, kind)
+                check_data(value, kind, split)
             except DataError as error:
                 raise ConfigError(f"{key}: {error}") from None
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .data_check import split_of
 from .prepared import (
     DOCUMENTS,
     FIRST_TARGET,
@@ -120,6 +121,8 @@ def prepare(
     """Tokenize ``inputs`` into a new part of ``output``; the manifest written."""
     files = _input_files(inputs, file_format)
     existing = _existing_manifest(output)
+    created = not output.exists()  # removed again if this run fails: nothing half-written stays
+    staging = None
     context = multiprocessing.get_context("fork")
     # The pool is forked before the tokenizer runs here (a tokenizer used before a fork disables its parallelism).
     pool = (
@@ -140,12 +143,19 @@ def prepare(
         staging = output / f"{name}.staging"
         staging.mkdir(parents=True)
         part = _write_part(staging, files, kind, text_key, dtype, pool)
+        if part["documents"] == 0 or part["tokens"] == 0:
+            raise PreparedDataError(
+                f"{', '.join(map(str, inputs))}: no documents with tokens to prepare (empty source)."
+            )
+    except BaseException:
+        if created:
+            shutil.rmtree(output, ignore_errors=True)
+        elif staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     finally:
         if pool is not None:
             pool.terminate()
-    if part["documents"] == 0 or part["tokens"] == 0:
-        shutil.rmtree(staging)
-        raise PreparedDataError(f"{', '.join(map(str, inputs))}: no documents with tokens to prepare (empty source).")
     staging.rename(output / name)
     part["name"] = name
     parts = [*(existing["parts"] if existing else []), part]
@@ -199,6 +209,12 @@ def _input_files(inputs: list[Path], file_format: str | None) -> list[tuple[Path
             files.append((candidate, chosen))
         if path.is_dir() and not candidates:
             raise PreparedDataError(f"--input {path} is an empty folder (empty source).")
+        splits = sorted({split for candidate in candidates if (split := split_of(candidate.name)) is not None})
+        if path.is_dir() and len(splits) > 1:
+            raise PreparedDataError(
+                f"--input {path} holds the files of the splits {splits} (by file name): prepare each split apart "
+                "(--input the split's files), so that no held-out record is trained on."
+            )
     if not files:
         raise PreparedDataError(f"--input {' '.join(map(str, inputs))}: no file of a known format (empty source).")
     return files
