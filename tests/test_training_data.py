@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import pickle
@@ -419,3 +420,24 @@ def test_flops_per_token_counts_the_matmuls_and_attention():
     assert flops_per_token(model, seq_len=16) == 6 * matmul + attention
     assert model_flops_utilization(1000.0, 2e9, peak_tflops=1.0, devices=2) == pytest.approx(1.0)
     assert model_flops_utilization(1000.0, 2e9, peak_tflops=None, devices=2) is None
+
+
+def test_a_records_tools_are_rendered_and_tool_calls_are_refused(tokenizer):
+    """As TRL: a record's ``tools`` go to the chat template. An assistant turn of ``tool_calls`` is refused: the mask
+    covers contents, so the calls the template renders would go untrained."""
+    tools_template = (
+        "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n"
+        "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = tools_template
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    chat = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "It is sunny."}]
+    (example,) = tokenize_sft([{"tools": tools, "messages": chat}], templated, seq_len=512)
+    assert "get_weather" in templated.decode(example.input_ids)
+    assert labelled_runs(templated, example) == ["It is sunny.<|im_end|>"]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    with pytest.raises(
+        ValueError, match=r"SFT record 0, message 1: an assistant turn with 'tool_calls' is not trained"
+    ):
+        tokenize_sft([{"messages": [chat[0], call]}], templated, seq_len=512)

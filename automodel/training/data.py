@@ -215,7 +215,11 @@ def tokenize_sft(records: list[dict], tokenizer: Any, seq_len: int) -> list[Exam
     if not records:
         raise ValueError("No SFT records to tokenize: the data path holds no records")
     chats = [_as_chat(record, index) for index, record in enumerate(records)]
-    texts, spans = zip(*(_render_chat(tokenizer, chat, index) for index, chat in enumerate(chats)), strict=True)
+    rendered = (
+        _render_chat(tokenizer, chat, index, record.get("tools"))
+        for index, (chat, record) in enumerate(zip(chats, records, strict=True))
+    )
+    texts, spans = zip(*rendered, strict=True)
     encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
     end_ids = _end_of_turn_ids(tokenizer)
     kept, first_trained = [], []  # first_trained: where each dropped example's first trained token is
@@ -267,16 +271,19 @@ def _as_chat(record: dict, index: int) -> list[dict]:
     return messages
 
 
-def _render_chat(tokenizer: Any, messages: list[dict], index: int) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered chat and the character span of each assistant content in it.
+def _render_chat(
+    tokenizer: Any, messages: list[dict], index: int, tools: list | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat (with the record's ``tools``, as TRL renders them) and the character span of each assistant
+    content in it.
 
     The chat is rendered twice: as is, and with each assistant content's non-whitespace core bracketed by markers
     (so a trimming template keeps them). Removing the markers must give the plain rendering back, with one marked
     span per assistant message; otherwise the template dropped, repeated or rewrote a content.
     """
     marked_messages = [_mark_assistant(message) for message in messages]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    marked = tokenizer.apply_chat_template(marked_messages, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    marked = tokenizer.apply_chat_template(marked_messages, tools=tools, tokenize=False)
     unmarked, spans = _remove_markers(marked)
     assistant_turns = sum(message["role"] == "assistant" for message in messages)
     if unmarked != text or len(spans) != assistant_turns:

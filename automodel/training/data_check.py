@@ -81,6 +81,12 @@ def _messages_problem(messages: Any, content: type | tuple[type, ...]) -> str | 
             shown = repr(message) if len(repr(message)) <= 80 else repr(message)[:77] + "..."
             expected = "str" if content is str else "str or a list of parts"
             return f", message {turn}: expected {{'role': str, 'content': {expected}}}, got {shown}"
+        if message.get("tool_calls") and message["role"] == "assistant":
+            return (
+                f", message {turn}: an assistant turn with 'tool_calls' is not trained here: the loss mask covers the "
+                "messages' contents, and the calls the chat template renders from 'tool_calls' would go untrained. "
+                "Write each call into 'content' as the model should emit it"
+            )
     return None
 
 
