@@ -249,3 +249,15 @@ def test_a_loss_that_is_not_a_number_stops_the_run_at_its_step():
             FloatingPointError, match=rf"step 3: the loss is {loss} \(gradient norm nan\): training diverged"
         ):
             _check_finite(3, loss, torch.tensor(float("nan")))
+
+
+def test_a_key_written_twice_in_the_yaml_is_refused_at_its_line(tmp_path):
+    """YAML keeps the last of two equal keys; a second ``train:`` section would drop the whole first one."""
+    (tmp_path / "twice.yaml").write_text(BASE + "train:\n  lr: 0.1\n")
+    second = len(BASE.splitlines()) + 1
+    first = next(number for number, line in enumerate(BASE.splitlines(), 1) if line.startswith("train:"))
+    with pytest.raises(ConfigError, match=rf"twice.yaml:{second}: train is written twice \(first at line {first}\)"):
+        load_config(tmp_path / "twice.yaml")
+    (tmp_path / "inner.yaml").write_text(BASE.replace("lr: 1.0e-4}", "lr: 1.0e-4, lr: 0.5}"))
+    with pytest.raises(ConfigError, match=r"train\.lr is written twice"):
+        load_config(tmp_path / "inner.yaml")

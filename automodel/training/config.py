@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from .config_checks import check_world_size, pipeline_microbatches, validate_config, validate_vision_language
-from .config_errors import ConfigError, located, unknown_keys_error, yaml_key_lines
+from .config_errors import ConfigError, duplicate_yaml_key, located, unknown_keys_error, yaml_key_lines
 from .config_sections import (
     RECIPES,
     RESHARD_POLICIES,
@@ -95,6 +95,13 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, recipe: s
         raw, lines = yaml.safe_load(text) or {}, yaml_key_lines(text)
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections, not {type(raw).__name__}.")
+        duplicate = duplicate_yaml_key(text)
+        if duplicate is not None:
+            name, first, second = duplicate
+            raise ConfigError(
+                f"{path}:{second}: {name} is written twice (first at line {first}); YAML would keep this one and drop "
+                "the first without a word. Write it once."
+            )
         _resolve_paths(raw, path.resolve().parent)
     given = parse_overrides(overrides)
     for key, value in given.items():

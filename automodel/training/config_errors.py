@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["ConfigError", "located", "unknown_keys_error", "yaml_key_lines"]
+__all__ = ["ConfigError", "duplicate_yaml_key", "located", "unknown_keys_error", "yaml_key_lines"]
 
 
 class ConfigError(ValueError):
@@ -88,6 +88,35 @@ def yaml_key_lines(text: str) -> dict[str, int]:
     lines: dict[str, int] = {}
     _walk(root, "", lines)
     return lines
+
+
+def duplicate_yaml_key(text: str) -> tuple[str, int, int] | None:
+    """The first key a YAML mapping writes twice, as ``(dotted name, first line, second line)``: YAML keeps the last
+    value and drops the first without a word (a second ``train:`` section replaces the whole first one)."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    return _first_duplicate(root, "")
+
+
+def _first_duplicate(node: yaml.Node | None, prefix: str) -> tuple[str, int, int] | None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            name, line = f"{prefix}{key.value}", key.start_mark.line + 1
+            if key.value != "<<" and name in seen:
+                return name, seen[name], line
+            seen[name] = line
+            found = _first_duplicate(value, f"{name}.")
+            if found is not None:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            found = _first_duplicate(item, f"{prefix.rstrip('.')}[{index}].")
+            if found is not None:
+                return found
+    return None
 
 
 def _walk(node: yaml.Node | None, prefix: str, lines: dict[str, int]) -> None:
