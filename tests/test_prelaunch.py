@@ -3,7 +3,9 @@ mistake exits with status 2 and one message naming the key and its value, and to
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -163,3 +165,21 @@ def test_the_command_refuses_within_seconds_before_any_process(model, tmp_path, 
     assert f"model.path={path}" in result.stderr and "torch.distributed.run" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     print(f"{mistake}: refused in {seconds:.1f} s")
+
+
+def test_sft_data_mistakes_the_ranks_would_hit_after_loading_are_refused_first(launch, model, tmp_path):
+    """Text given to SFT, fewer records than one global batch, and a tokenizer without a chat template."""
+    (tmp_path / "corpus.txt").write_text("some text")
+    status, err, started = launch(model, tmp_path / "corpus.txt")
+    assert (status, started) == (2, False) and "is a text file: SFT reads chat records" in err
+    status, err, started = launch(model, CHAT_DATA, "train.global_batch_size=100000")
+    assert (status, started) == (2, False) and "fewer than one global batch of train.global_batch_size=100000" in err
+    plain = tmp_path / "no_template"
+    shutil.copytree(model, plain)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (plain / name).unlink(missing_ok=True)
+    settings = json.loads((plain / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(settings))
+    status, err, started = launch(plain)
+    assert (status, started) == (2, False) and "its tokenizer has no chat template" in err

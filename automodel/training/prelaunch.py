@@ -185,16 +185,50 @@ def _check_records(config: RecipeConfig, model_directory: Path) -> None:
         and model_kind(str(model_directory), config.model.kind, trust_remote_code=trust) == IMAGE_TEXT_TO_TEXT
     ):
         kind = "vlm"  # chats whose contents may be lists of text and image parts
+    if kind == "sft":
+        _check_chat_template(config, model_directory)
     sources = (
         ("data.path", config.data.path, config.data.split),
         ("data.validation_path", config.data.validation_path, "validation"),
     )
     for key, value, split in sources:
-        if value and Path(value).exists() and not is_prepared(value):
-            try:
-                check_data(value, kind, split)
-            except DataError as error:
-                raise ConfigError(f"{key}: {error}") from None
+        if not value or not Path(value).exists() or is_prepared(value):
+            continue
+        if kind != "pretrain" and Path(value).suffix == ".txt":
+            raise ConfigError(
+                f"{key}={value} is a text file: SFT reads chat records ({{'messages': [...]}} or prompt / completion "
+                "pairs) from JSONL, parquet, arrow, csv or json. Text is for `automodel pretrain`."
+            )
+        try:
+            count = check_data(value, kind, split)
+        except DataError as error:
+            raise ConfigError(f"{key}: {error}") from None
+        if key == "data.path" and 0 < count < config.train.global_batch_size:
+            raise ConfigError(
+                f"{key}={value} holds {count} records, fewer than one global batch of train.global_batch_size="
+                f"{config.train.global_batch_size}: add data or lower train.global_batch_size."
+            )
+
+
+def _check_chat_template(config: RecipeConfig, model_directory: Path) -> None:
+    """SFT renders chats with the tokenizer's chat template: a tokenizer saved without one (a base model's) is refused
+    here, not after the ranks have loaded the model. Only where the tokenizer's files are in the model's folder."""
+    tokenizer_config = model_directory / "tokenizer_config.json"
+    if not tokenizer_config.is_file():
+        return
+    if any((model_directory / name).exists() for name in ("chat_template.jinja", "chat_template.json")):
+        return
+    if (model_directory / "additional_chat_templates").is_dir():
+        return
+    try:
+        if json.loads(tokenizer_config.read_text()).get("chat_template"):
+            return
+    except (OSError, ValueError):
+        return  # the loader says what is wrong with it
+    raise ConfigError(
+        f"model.path={config.model.path}: its tokenizer has no chat template, so SFT chats cannot be rendered. Use "
+        "an instruction-tuned model's tokenizer, or add a chat_template.jinja to the model's folder."
+    )
 
 
 def _check_export_spares_the_model(config: RecipeConfig) -> None:
