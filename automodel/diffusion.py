@@ -11,6 +11,7 @@ is an optional extra: ``pip install "automodel[diffusion]"``.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -28,10 +29,13 @@ from automodel.loading.agreement import agree_or_raise
 from automodel.loading.meta_build import init_skipped_on_meta
 from automodel.loading.pipeline import build_on_every_rank, load_parallelized
 
+from .diffusion_save import DIFFUSERS_WEIGHTS, adopt_collective_save, make_saving_collective
+
 __all__ = ["NeMoAutoDiffusionPipeline"]
 
 INSTALL_HINT = 'pip install "automodel[diffusion]"'
 DEFAULT_COMPONENTS = ("transformer",)
+logger = logging.getLogger(__name__)
 
 
 def _require(module_name: str) -> Any:
@@ -69,26 +73,88 @@ class NeMoAutoDiffusionPipeline:
         """Load the pipeline at ``pretrained_model_name_or_path`` (hub id or local directory) with every component in
         ``components_to_load`` parallelized for ``mesh_context``.
 
-        Without ``mesh_context`` the plain diffusers pipeline is returned. ``dtype`` is the dtype of every component
-        (diffusers' default, float32, when ``None``). ``pipeline_kwargs`` go to ``DiffusionPipeline.from_pretrained``.
+        Without ``mesh_context`` the plain diffusers pipeline is returned. ``dtype`` (or diffusers' own name for it,
+        ``torch_dtype``; both only where they agree) is the dtype of every component, or a diffusers dict of them by
+        component name (``"default"`` for the others); diffusers' default, float32, when ``None``. ``variant`` and
+        ``use_safetensors`` choose the weight files of the parallelized components as diffusers chooses them.
+        ``pipeline_kwargs`` go to ``DiffusionPipeline.from_pretrained``.
+
+        With ``mesh_context``, the pipeline's ``save_pretrained`` is collective (call it on every rank): the
+        parallelized components are written consolidated, the others by rank 0 with diffusers.
         """
         diffusers = _require("diffusers")
         name_or_path = pretrained_model_name_or_path
-        directory = _resolve_pipeline_dir(diffusers, name_or_path, revision, cache_dir, local_files_only, token)
+        dtype = _agreed_dtype(dtype, pipeline_kwargs.pop("torch_dtype", None))
+        variant, use_safetensors = pipeline_kwargs.get("variant"), pipeline_kwargs.get("use_safetensors")
+        directory = _resolve_pipeline_dir(
+            diffusers, name_or_path, revision, cache_dir, local_files_only, token, variant, use_safetensors
+        )
         components = _pipeline_components(diffusers, directory)
         selected = _checked_selection(diffusers, components, components_to_load, name_or_path)
         if dtype is not None:
             pipeline_kwargs["torch_dtype"] = dtype
         if mesh_context is None:
             return diffusers.DiffusionPipeline.from_pretrained(directory, **pipeline_kwargs)
+        variants = _component_variants(directory, components, variant)
         for name, component_class in selected.items():
-            pipeline_kwargs[name] = _load_parallelized(directory / name, component_class, mesh_context, dtype)
+            pipeline_kwargs[name] = _load_parallelized(
+                directory / name,
+                component_class,
+                mesh_context,
+                _component_dtype(dtype, name),
+                variant=variants.get(name),
+                use_safetensors=use_safetensors,
+            )
         pipe = diffusers.DiffusionPipeline.from_pretrained(directory, **pipeline_kwargs)
         # diffusers records a component's (library, class) from its runtime class, which FSDP2 / DDP replace with a
         # dynamic subclass (FSDPFluxTransformer2DModel): keep the entries of model_index.json, so the pipeline's
         # config still names the loadable classes.
         pipe.register_to_config(**{name: components[name] for name in selected})
+        make_saving_collective(pipe, tuple(selected))
         return pipe
+
+
+def _agreed_dtype(dtype: Any, torch_dtype: Any) -> Any:
+    """``dtype``, or diffusers' ``torch_dtype`` for it; both given, they must be the same."""
+    if torch_dtype is None:
+        return dtype
+    if dtype is not None and dtype != torch_dtype:
+        raise ValueError(
+            f"dtype={dtype} and torch_dtype={torch_dtype} disagree: torch_dtype is diffusers' name for the same "
+            "argument. Pass only one of them."
+        )
+    return torch_dtype
+
+
+def _component_dtype(dtype: Any, name: str) -> torch.dtype | None:
+    """The dtype of component ``name``: ``dtype`` itself, or its entry in a diffusers dict of dtypes by component
+    (``"default"`` for the components it does not name, float32 without one), as diffusers reads it."""
+    if isinstance(dtype, dict):
+        return dtype.get(name, dtype.get("default", torch.float32))
+    return dtype
+
+
+def _component_variants(directory: Path, components: dict[str, tuple[str, str]], variant: str | None) -> dict:
+    """Component name -> ``variant`` for the components whose subfolder holds files of that variant, as diffusers'
+    ``DiffusionPipeline.from_pretrained`` decides it (``_identify_model_variants``): a component without them loads
+    its plain weight files, and a variant no component has is an error."""
+    if variant is None:
+        return {}
+    found = {}
+    for name in components:
+        folder = directory / name
+        files = os.listdir(folder) if folder.is_dir() else []
+        if any(len(parts) > 1 and parts[1].startswith(variant) for parts in (file.split(".") for file in files)):
+            found[name] = variant
+    if not found:
+        raise ValueError(
+            f"variant={variant!r}: no component of the pipeline in {directory} has weight files of that variant "
+            f"(e.g. {DIFFUSERS_WEIGHTS}.{variant}.safetensors), so diffusers cannot load it either."
+        )
+    plain = [name for name in components if name not in found]
+    if plain:
+        logger.info("variant=%r: %s have no files of that variant and load their plain weights.", variant, plain)
+    return found
 
 
 def _resolve_pipeline_dir(
@@ -98,9 +164,11 @@ def _resolve_pipeline_dir(
     cache_dir: str | os.PathLike | None,
     local_files_only: bool,
     token: str | bool | None,
+    variant: str | None = None,
+    use_safetensors: bool | None = None,
 ) -> Path:
-    """A local pipeline directory: ``name_or_path`` itself, or the hub snapshot diffusers downloads (the hub cache's
-    file locks make concurrent downloads by several ranks safe)."""
+    """A local pipeline directory: ``name_or_path`` itself, or the hub snapshot diffusers downloads, with the files of
+    ``variant`` (the hub cache's file locks make concurrent downloads by several ranks safe)."""
     if Path(name_or_path).is_dir():
         return Path(name_or_path)
     directory, error = None, None
@@ -112,6 +180,8 @@ def _resolve_pipeline_dir(
                 cache_dir=cache_dir,
                 local_files_only=local_files_only,
                 token=token,
+                variant=variant,
+                use_safetensors=use_safetensors,
             )
         )
     except Exception as exc:  # raised below on every rank, so that no rank goes on alone into a collective
@@ -161,21 +231,32 @@ def _checked_selection(
 
 
 def _load_parallelized(
-    subfolder: Path, component_class: type, mesh_context: MeshContext, dtype: torch.dtype | None
+    subfolder: Path,
+    component_class: type,
+    mesh_context: MeshContext,
+    dtype: torch.dtype | None,
+    *,
+    variant: str | None = None,
+    use_safetensors: bool | None = None,
 ) -> nn.Module:
     """The shared pipeline (build on meta -> check the checkpoint -> parallelize -> allocate the local shards -> read
-    only those) for one component, which must keep its own class (the pipeline calls it by its interface)."""
+    only those) for one component, which must keep its own class (the pipeline calls it by its interface).
+    ``variant`` and ``use_safetensors`` choose its weight files (``diffusion_pytorch_model.fp16.safetensors``, or
+    the variant's index and shards)."""
     component = build_on_every_rank(
         lambda: _build_on_meta(subfolder, component_class, dtype), f"Building the component {subfolder.name}"
     )
     _use_class_tp_plan(component, parallelizer_for(component), mesh_context)
-    loaded = load_parallelized(component, mesh_context, checkpoint=subfolder)
+    loaded = load_parallelized(
+        component, mesh_context, checkpoint=subfolder, variant=variant, use_safetensors=use_safetensors
+    )
     if not isinstance(loaded.model, component_class):
         raise TypeError(
             f"Parallelizing {subfolder.name} with {type(mesh_context.strategy).__name__} returned a "
             f"{type(loaded.model).__name__} wrapper, but the pipeline needs a {component_class.__name__}: use the "
             "fsdp2 or ddp strategy, which keep the component's own class."
         )
+    adopt_collective_save(loaded.model, component_class)
     return loaded.model.eval()
 
 

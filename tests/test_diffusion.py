@@ -22,9 +22,13 @@ from tests.cases.diffusion import (
     denoising_step,
     fsdp_parity,
     qwen_image_parity,
+    save_parity,
     save_tiny_flux_pipeline,
     save_tiny_qwen_image_transformer,
+    save_variant_pipeline,
     tensor_parallel_error,
+    torch_dtype_parity,
+    variant_parity,
 )
 
 TOLERANCE = 1e-4
@@ -82,6 +86,50 @@ def test_tensor_parallel_from_the_class_plan(ranks4, tmp_path):
         # colwise / rowwise; `attn.to_out.0` is one element of a list, beside a dropout.
         assert (result["to_q_tp"], result["to_out_tp"]) == ("S(0)", "S(1)"), result
         assert result["scale"] > 0.1 and result["diff"] <= TOLERANCE, result
+
+
+@pytest.mark.distributed
+def test_torch_dtype_applies_to_the_parallelized_component(ranks2, pipeline_dir):
+    for result in ranks2.run(torch_dtype_parity, pipeline_dir):
+        assert set(result["dtypes"].values()) == {"torch.bfloat16"}, result["dtypes"]
+        assert result["sharded"] and result["scale"] > 0.1 and result["diff"] == 0.0, result
+
+
+def test_dtype_and_torch_dtype_must_agree(pipeline_dir):
+    with pytest.raises(ValueError, match="disagree"):
+        NeMoAutoDiffusionPipeline.from_pretrained(pipeline_dir, dtype=torch.float16, torch_dtype=torch.bfloat16)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("legacy", [False, True], ids=["variant_names", "legacy_variant_names"])
+def test_variant_loads_the_variant_files(ranks2, pipeline_dir, tmp_path, legacy):
+    directory = str(save_variant_pipeline(Path(pipeline_dir), tmp_path / "with_fp16", legacy=legacy))
+    index = "diffusion_pytorch_model.safetensors." + ("fp16.index.json" if legacy else "index.fp16.json")
+    assert (Path(directory) / "transformer" / index).is_file()
+    for result in ranks2.run(variant_parity, directory):
+        # diffusers casts the fp16 files to its default float32; a wrong file shows as the halved weights' difference
+        assert result["sharded"] and result["dtype"] == result["reference_dtype"] == "torch.float32", result
+        assert result["diff"] <= TOLERANCE and result["step_diff"] <= TOLERANCE, result
+        assert result["diff_to_plain_weights"] > 0.1, result
+        assert "variant='bf16'" in result["missing_variant"], result["missing_variant"]
+
+
+@pytest.mark.distributed
+def test_save_pretrained_of_the_parallelized_pipeline(ranks2, pipeline_dir, tmp_path):
+    for result in ranks2.run(save_parity, pipeline_dir, str(tmp_path)):
+        assert "safe_serialization=False" in result["refusal"] and not result["refused_written"], result
+        assert result["variant_diff"] <= TOLERANCE, result
+        for name in ("single", "sharded"):
+            saved = result[name]
+            assert saved["pipeline_class"] == "FluxPipeline", saved
+            assert saved["transformer_class"] == saved["config_class"] == "FluxTransformer2DModel", saved
+            assert saved["transformer_diff"] <= TOLERANCE and saved["step_diff"] <= TOLERANCE, saved
+            assert "model_index.json" in saved["top"] and not [f for f in saved["top"] if f.startswith(".")], saved
+        assert result["single"]["files"] == ["config.json", "diffusion_pytorch_model.safetensors"]
+        sharded = result["sharded"]["files"]
+        assert "diffusion_pytorch_model.safetensors" not in sharded, sharded
+        assert "diffusion_pytorch_model.safetensors.index.json" in sharded and len(sharded) > 3, sharded
+        assert "diffusion_pytorch_model.fp16.safetensors" in sharded, sharded
 
 
 def test_without_mesh_context_the_pipeline_is_plain(pipeline_dir):

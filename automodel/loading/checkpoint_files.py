@@ -270,14 +270,19 @@ def weight_files(
     ``use_safetensors``: ``None`` prefers safetensors and falls back to ``.bin``, ``True`` takes safetensors only,
     ``False`` ``.bin`` only. ``variant`` (e.g. ``"fp16"``) selects ``model.fp16.safetensors`` /
     ``model.safetensors.index.fp16.json`` and their ``.bin`` counterparts, as transformers names them. ``diffusers``:
-    also diffusers' component names (``diffusion_pytorch_model.*``).
+    also diffusers' component names (``diffusion_pytorch_model.*``, with a variant also its legacy index name
+    ``diffusion_pytorch_model.safetensors.fp16.index.json``).
     """
     kinds = {None: ("safetensors", "bin"), True: ("safetensors",), False: ("bin",)}[use_safetensors]
-    return [
-        (_with_variant(name, variant), kind, is_index)
-        for name, kind, is_index in WEIGHT_FILES
-        if kind in kinds and (diffusers or not name.startswith(DIFFUSERS_WEIGHTS))
-    ]
+    found = []
+    for name, kind, is_index in WEIGHT_FILES:
+        if kind not in kinds or (not diffusers and name.startswith(DIFFUSERS_WEIGHTS)):
+            continue
+        found.append((_with_variant(name, variant), kind, is_index))
+        if variant and is_index and name.startswith(DIFFUSERS_WEIGHTS):
+            # diffusers still reads its legacy variant index name (``....safetensors.fp16.index.json``).
+            found.append((f"{DIFFUSERS_WEIGHTS}.{kind}.{variant}.index.json", kind, True))
+    return found
 
 
 def _with_variant(name: str, variant: str | None) -> str:

@@ -8,6 +8,8 @@ transformer in several shards.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +234,113 @@ def qwen_image_parity(directory: str, layout: dict[str, Any]) -> dict[str, Any]:
 
 def _tp_placement(param: DTensor) -> str:
     return str(param.placements[param.device_mesh.mesh_dim_names.index("tp")])
+
+
+def _transformer_output(transformer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in transformer_inputs().items()}
+    with torch.no_grad():
+        return transformer(**inputs, return_dict=False)[0].float()
+
+
+def torch_dtype_parity(directory: str) -> dict[str, Any]:
+    """diffusers' own ``torch_dtype`` keyword: every component in that dtype, the parallelized transformer included,
+    and the transformer's output that of the plain bfloat16 pipeline."""
+    context = MeshContext.build("fsdp2")
+    pipe = NeMoAutoDiffusionPipeline.from_pretrained(directory, mesh_context=context, torch_dtype=torch.bfloat16)
+    reference = DiffusionPipeline.from_pretrained(directory, torch_dtype=torch.bfloat16)
+    expected = _transformer_output(reference.transformer, torch.bfloat16)
+    actual = _transformer_output(pipe.transformer, torch.bfloat16)
+    return {
+        "dtypes": {name: str(getattr(pipe, name).dtype) for name in ("transformer", "vae", "text_encoder")},
+        "sharded": has_dtensor(pipe.transformer),
+        "diff": (actual - expected).abs().max().item(),
+        "scale": expected.abs().max().item(),
+    }
+
+
+def save_variant_pipeline(source: Path, directory: Path, *, legacy: bool = False) -> Path:
+    """A copy of the pipeline at ``source`` whose transformer also has an ``fp16`` variant, in several shards with an
+    index, with other weights (halved) than its plain files; no other component has the variant. ``legacy``: under
+    diffusers' legacy variant names (``...-00001-of-00002.fp16.safetensors``, ``....safetensors.fp16.index.json``)."""
+    shutil.copytree(source, directory)
+    transformer = FluxTransformer2DModel.from_pretrained(directory / "transformer")
+    with torch.no_grad():
+        for param in transformer.parameters():
+            param.mul_(0.5)
+    folder = directory / "transformer"
+    transformer.to(torch.float16).save_pretrained(folder, variant="fp16", max_shard_size="40KB")
+    if legacy:
+        index = json.loads((folder / "diffusion_pytorch_model.safetensors.index.fp16.json").read_text())
+        renamed = {}
+        for shard in sorted(set(index["weight_map"].values())):  # diffusion_pytorch_model.fp16-00001-of-00002...
+            stem = shard.removesuffix(".safetensors").replace(".fp16", "")
+            renamed[shard] = f"{stem}.fp16.safetensors"
+            (folder / shard).rename(folder / renamed[shard])
+        index["weight_map"] = {key: renamed[shard] for key, shard in index["weight_map"].items()}
+        (folder / "diffusion_pytorch_model.safetensors.index.fp16.json").unlink()
+        (folder / "diffusion_pytorch_model.safetensors.fp16.index.json").write_text(json.dumps(index))
+    return directory
+
+
+def variant_parity(directory: str) -> dict[str, Any]:
+    """``variant="fp16"``: the parallelized transformer holds the variant's weights, as diffusers loads them (the
+    other components, without the variant, their plain files); a variant no component has is an error."""
+    context = MeshContext.build("fsdp2")
+    pipe = NeMoAutoDiffusionPipeline.from_pretrained(directory, mesh_context=context, variant="fp16")
+    reference = DiffusionPipeline.from_pretrained(directory, variant="fp16")
+    plain = DiffusionPipeline.from_pretrained(directory)
+    expected, actual = _transformer_output(reference.transformer), _transformer_output(pipe.transformer)
+    try:
+        NeMoAutoDiffusionPipeline.from_pretrained(directory, mesh_context=context, variant="bf16")
+        missing = ""
+    except ValueError as error:
+        missing = str(error)
+    return {
+        "sharded": has_dtensor(pipe.transformer),
+        "dtype": str(pipe.transformer.dtype),
+        "reference_dtype": str(reference.transformer.dtype),
+        "diff": (actual - expected).abs().max().item(),
+        "diff_to_plain_weights": (actual - _transformer_output(plain.transformer)).abs().max().item(),
+        "step_diff": (denoising_step(pipe) - denoising_step(reference)).abs().max().item(),
+        "missing_variant": missing,
+    }
+
+
+def save_parity(directory: str, out: str) -> dict[str, Any]:
+    """``save_pretrained`` of the pipeline with its transformer sharded, on every rank: plain diffusers loads the saved
+    folder into the same pipeline; saved again in shards, the earlier single file is replaced. Unsupported arguments
+    are refused on every rank before anything is written."""
+    context = MeshContext.build("fsdp2")
+    pipe = NeMoAutoDiffusionPipeline.from_pretrained(directory, mesh_context=context)
+    expected_step, expected = denoising_step(pipe), _transformer_output(pipe.transformer)
+    refused_dir = Path(out) / "refused"
+    try:
+        pipe.save_pretrained(refused_dir, safe_serialization=False)
+        refusal = ""
+    except ValueError as error:
+        refusal = str(error)
+    refused_written = refused_dir.exists()
+    pipe.save_pretrained(Path(out) / "single")
+    sharded = Path(out) / "sharded"
+    pipe.save_pretrained(sharded)
+    pipe.save_pretrained(sharded, max_shard_size="40KB")  # replaces the single file with shards and their index
+    pipe.save_pretrained(sharded, variant="fp16")  # beside the plain files, as diffusers writes a variant
+    variant = DiffusionPipeline.from_pretrained(sharded, variant="fp16").transformer
+    result: dict[str, Any] = {
+        "refusal": refusal,
+        "refused_written": refused_written,
+        "variant_diff": (_transformer_output(variant) - expected).abs().max().item(),
+    }
+    for name in ("single", "sharded"):
+        saved = Path(out) / name
+        reloaded = DiffusionPipeline.from_pretrained(saved)
+        result[name] = {
+            "pipeline_class": type(reloaded).__name__,
+            "transformer_class": type(reloaded.transformer).__name__,
+            "config_class": json.loads((saved / "transformer" / "config.json").read_text())["_class_name"],
+            "files": sorted(path.name for path in (saved / "transformer").iterdir()),
+            "top": sorted(path.name for path in saved.iterdir()),
+            "transformer_diff": (_transformer_output(reloaded.transformer) - expected).abs().max().item(),
+            "step_diff": (denoising_step(reloaded) - expected_step).abs().max().item(),
+        }
+    return result
