@@ -124,14 +124,33 @@ def test_an_interrupted_run_leaves_the_folder_as_it_was(model, corpus, tmp_path,
     def interrupted(self, chunk):
         raise KeyboardInterrupt
 
+    more = tmp_path / "more.txt"
+    more.write_text(corpus.read_text() + " more")
     monkeypatch.setattr(prepare_data._Buffers, "add", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _prepare(model, [corpus], output, "--workers", "1")
+        _prepare(model, [more], output, "--workers", "1")
     assert _files(output) == before, "the interrupted part is removed"
     monkeypatch.undo()
     (output / "part-00001.staging").mkdir()  # what a killed run (no exception handler ran) leaves
-    assert _prepare(model, [corpus], output, "--workers", "1") == 0  # appends, and removes the staging part
+    assert _prepare(model, [more], output, "--workers", "1") == 0  # appends, and removes the staging part
     assert not list(output.glob("*.staging")) and len(PreparedCorpus(output).manifest["parts"]) == 2
+
+
+def test_a_file_the_folder_already_holds_is_not_appended_twice(model, corpus, tmp_path, capsys):
+    output = tmp_path / "prepared"
+    assert _prepare(model, [corpus], output) == 0
+    assert _prepare(model, [corpus], output) == 2
+    assert f"already holds {corpus} (part-00000, the same size and modification time)" in capsys.readouterr().err
+    assert len(PreparedCorpus(output).manifest["parts"]) == 1
+
+
+def test_chat_records_without_kind_and_json_arrays(model, tmp_path, capsys):
+    chats = tmp_path / "chats.json"
+    chats.write_text(json.dumps([{"prompt": "hi", "completion": "hello there"}] * 3))
+    assert _prepare(model, [chats], tmp_path / "a") == 2
+    assert "these are SFT records: pass --kind sft" in capsys.readouterr().err
+    assert _prepare(model, [chats], tmp_path / "b", "--kind", "sft") == 0
+    assert PreparedCorpus(tmp_path / "b").manifest["documents"] == 3
 
 
 def test_appending_continues_the_stream_and_refuses_another_tokenizer(model, tokenizer, corpus, tmp_path, capsys):

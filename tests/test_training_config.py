@@ -261,3 +261,10 @@ def test_a_key_written_twice_in_the_yaml_is_refused_at_its_line(tmp_path):
     (tmp_path / "inner.yaml").write_text(BASE.replace("lr: 1.0e-4}", "lr: 1.0e-4, lr: 0.5}"))
     with pytest.raises(ConfigError, match=r"train\.lr is written twice"):
         load_config(tmp_path / "inner.yaml")
+
+
+def test_a_string_key_takes_the_text_yaml_reads_as_a_number_or_a_date(config_file):
+    config = load_config(config_file, ["model.revision=1234", "log.mlflow.run_name=2024-06-01"])
+    assert (config.model.revision, config.log.mlflow.run_name) == ("1234", "2024-06-01")
+    with pytest.raises(ConfigError, match=r'model.revision=True must be a string: quote it \(revision: "True"\)'):
+        load_config(config_file, ["model.revision=true"])

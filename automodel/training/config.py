@@ -8,6 +8,7 @@ are errors that name the key, raised before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 import types
 import typing
@@ -236,8 +237,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         raise ConfigError(f"{key}={value!r} must be true or false.")
     if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{key}={value!r} must be an integer.")
-    if hint in (str, float) and not isinstance(value, hint):
-        raise ConfigError(f"{key}={value!r} must be a {hint.__name__}.")
+    if hint is str and isinstance(value, int | datetime.date) and not isinstance(value, bool):
+        return str(value)  # YAML read a revision 1234 or a name 2024-06-01 as a number or a date: its text is meant
+    if hint is str and not isinstance(value, str):
+        raise ConfigError(f'{key}={value!r} must be a string: quote it ({key.rpartition(".")[2]}: "{value}").')
+    if hint is float and not isinstance(value, float):
+        raise ConfigError(f"{key}={value!r} must be a float.")
     return value
 
 

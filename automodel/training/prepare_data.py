@@ -135,6 +135,7 @@ def prepare(
         settings = {"kind": kind, "append_eos": append_eos, "dtype": dtype.name}
         if existing is not None:
             _check_appendable(output, existing, fingerprint, settings)
+            _check_not_prepared_yet(output, existing, files)
         if pool is None:
             _start_worker(tokenizer, trust_remote_code, kind, append_eos, loaded=loaded)
         name = f"part-{len(existing['parts']) if existing else 0:05d}"
@@ -244,6 +245,19 @@ def _check_appendable(output: Path, manifest: dict[str, Any], fingerprint: str, 
             raise PreparedDataError(f"--output {output} holds {key}={manifest[key]}, this run {value}: not appendable.")
 
 
+def _check_not_prepared_yet(output: Path, manifest: dict[str, Any], files: list[tuple[Path, str]]) -> None:
+    """An input file the folder already holds (the same path, size and modification time) would be trained on twice."""
+    for part in manifest["parts"]:
+        held = {(source["path"], source["size"], source["mtime"]) for source in part.get("sources", ())}
+        for path, _ in files:
+            stat = path.stat()
+            if (str(path.resolve()), stat.st_size, stat.st_mtime) in held:
+                raise PreparedDataError(
+                    f"--output {output} already holds {path} ({part['name']}, the same size and modification time): "
+                    "appending it again would train on it twice. Prepare it into another folder."
+                )
+
+
 # -------------------------------------------------------------------------------------------- reading and writing
 
 
@@ -259,14 +273,21 @@ def _documents(files: list[tuple[Path, str]], kind: str, text_key: str) -> Itera
             if kind == "sft":
                 yield where, record
             elif not isinstance(record.get(text_key), str):
-                raise PreparedDataError(
-                    f"{where} has no string {text_key!r} field (keys: {sorted(record)}); pass --text-key."
-                )
+                chat = record.get("messages") is not None or record.get("prompt") is not None
+                fix = "these are SFT records: pass --kind sft" if chat else "pass --text-key (the field holding it)"
+                raise PreparedDataError(f"{where} has no string {text_key!r} field (keys: {sorted(record)}); {fix}.")
             else:
                 yield where, record[text_key]
 
 
 def _records(path: Path, file_format: str) -> Iterator[tuple[str, dict]]:
+    if file_format == "jsonl" and path.suffix == ".json" and _starts_an_array(path):
+        records = json.loads(path.read_text(encoding="utf-8-sig"))  # a JSON array, as `datasets` reads .json too
+        for index, record in enumerate(records):
+            if not isinstance(record, dict):
+                raise PreparedDataError(f"{path} item {index} is a JSON {type(record).__name__}, not an object.")
+            yield f"{path} item {index}", record
+        return
     if file_format == "jsonl":
         from .data import iter_jsonl
 
@@ -289,6 +310,13 @@ def _records(path: Path, file_format: str) -> Iterator[tuple[str, dict]]:
         for record in batch.to_pylist():
             yield f"{path} row {row}", record
             row += 1
+
+
+def _starts_an_array(path: Path) -> bool:
+    """Whether a ``.json`` file holds one JSON array (else it is read as JSON lines)."""
+    with path.open("rb") as file:
+        head = file.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
 
 
 class _Buffers:
