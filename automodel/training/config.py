@@ -206,6 +206,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ConfigError:
                 continue
+        if set(args) <= {str, type(None)}:
+            _coerce(value, str, key)  # the string's own error, which says to quote the value
         raise ConfigError(f"{key}={value!r} is not one of the accepted types {_describe(hint)}.")
     if origin is Literal:
         if value in args and type(value) is type(next(a for a in args if a == value)):
