@@ -228,7 +228,7 @@ def test_a_data_error_found_in_tokenization_fits_one_screen(tmp_path):
     model = save_tiny_chat_checkpoint(tmp_path / "model")
     data = tmp_path / "bad.jsonl"
     messages = [{"role": "user", "content": "hi \ue000"}, {"role": "assistant", "content": "x"}]
-    data.write_text(json.dumps({"messages": messages}) + "\n")
+    data.write_text((json.dumps({"messages": messages}) + "\n") * 4)  # more than one global batch
     result, seconds = _automodel(tmp_path, model, data)
     _check_one_screen(
         result, tmp_path, "ranks 0, 1 failed: ValueError: SFT record 0, message 0 contains the reserved characters"

@@ -151,7 +151,6 @@ def test_pipeline_layouts_that_cannot_run_are_refused_before_launch(tmp_path, ov
     ("overrides", "message"),
     [
         (["train.pp_microbatches=4"], "applies to pipeline parallelism"),
-        (["layout.pp_size=2", "lora.rank=4", "export.dir=out"], "under pipeline parallelism the adapter is exported"),
     ],
 )
 def test_pipeline_keys_that_cannot_apply_are_refused_when_the_config_is_read(tmp_path, overrides, message):

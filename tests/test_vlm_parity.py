@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cases.vlm import sequence_classification_parity, vlm_bytes_read_per_rank, vlm_parity, vlm_refusal
+from tests.cases.vlm import (
+    sequence_classification_parity,
+    vlm_bytes_read_per_rank,
+    vlm_generate,
+    vlm_parity,
+    vlm_refusal,
+)
 from tests.vlm_models import VLM_ARCHITECTURES, build_vlm, save_tiny_vlm, tiny_vlm_config
 
 TOLERANCE = 1e-4
@@ -90,6 +96,13 @@ def test_each_rank_reads_only_its_shards(ranks4, checkpoints, arch):
     for result in ranks4.run(vlm_bytes_read_per_rank, checkpoints[arch], {"strategy": "fsdp2"}):
         assert result["read"] == result["local"], result
         assert result["read"] <= result["total"] / 4 * 1.05, result
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [{"strategy": "fsdp2"}, {"strategy": "fsdp2", "tp_size": 2}], ids=["fsdp2", "tp2"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+def test_generate_with_an_image_gives_plain_transformers_tokens(ranks2, checkpoints, arch, layout):
+    assert ranks2.run(vlm_generate, checkpoints[arch], layout) == [True, True]
 
 
 @pytest.mark.distributed

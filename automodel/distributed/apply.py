@@ -33,6 +33,7 @@ from .fsdp import (
     fully_shard_default,
     prefetch_decoder_layers,
     reshard_after_gradless_forward,
+    route_encoders_through_root,
     shard_default_units,
     unshard_for_outside_calls,
 )
@@ -142,6 +143,7 @@ def _shard(
     with shared_mesh_concatenations(), shard_chunks_on_demand():
         _fully_shard_units(parallelizer, model, context, options, experts)
     unshard_for_outside_calls(model)
+    route_encoders_through_root(model)
     reshard_after_gradless_forward(model)
     if plan.sharding.prefetch:
         prefetch_decoder_layers(model)

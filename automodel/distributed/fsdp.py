@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
 from automodel._compat.torch import fsdp_param_groups
@@ -24,6 +25,7 @@ __all__ = [
     "fully_shard_by_dtype",
     "fully_shard_default",
     "reshard_after_gradless_forward",
+    "route_encoders_through_root",
     "shard_default_units",
     "unshard_for_outside_calls",
 ]
@@ -274,3 +276,52 @@ def _unshard_if_sharded(unit: FSDPModule, groups: list) -> Callable[..., None]:
             unit.unshard()
 
     return hook
+
+
+# transformers' multimodal encoders, which ``generate`` calls on ``base_model`` before the first forward.
+_ENCODER_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
+
+
+def route_encoders_through_root(model: nn.Module) -> int:
+    """Let ``generate`` run a multimodal model's encoders on FSDP2; return how many were routed.
+
+    transformers' ``generate`` encodes the images (``base_model.get_image_features``, likewise video and audio)
+    before the first forward, so outside the root unit's forward: the root's own parameters (a vision tower's
+    embeddings, the projector) are shards then, and FSDP2 has not even initialised. Each such method, when called
+    outside the root's forward, runs as a forward method of the root (torch's ``register_fsdp_forward_method``:
+    the root's pre-forward initialises FSDP2 and gathers its parameters); inside the root's forward it runs as it
+    is. The root's unsharded parameters are resharded after the generating forward (``reshard_after_gradless_forward``).
+    """
+    base = getattr(model, "base_model", None)
+    if not isinstance(model, FSDPModule) or base is None:
+        return 0
+    depth = [0]  # > 0 while the root's forward runs
+
+    def enter(module: nn.Module, args: Any) -> None:
+        depth[0] += 1
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        depth[0] -= 1
+
+    routed = 0
+    for name in _ENCODER_METHODS:
+        method = getattr(base, name, None)
+        if not callable(method):
+            continue
+        through_root = f"_automodel_root_{name}"
+        setattr(model, through_root, method)
+        register_fsdp_forward_method(model, through_root)
+        setattr(base, name, _routed(method, getattr(model, through_root), depth))
+        routed += 1
+    if routed:
+        model.register_forward_pre_hook(enter)
+        model.register_forward_hook(leave, always_call=True)
+    return routed
+
+
+def _routed(method: Callable[..., Any], through_root: Callable[..., Any], depth: list[int]) -> Callable[..., Any]:
+    @functools.wraps(method)  # generate() picks the encoder's keywords from its signature
+    def encoder(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs) if depth[0] else through_root(*args, **kwargs)
+
+    return encoder

@@ -21,6 +21,7 @@ wrong (each found by the sweep over transformers' causal-LM mapping, ``tests/tes
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -179,6 +180,7 @@ def _swap_replicas_around_forward(module: nn.Module, covered: list[tuple[nn.Modu
     forward = getattr(module, attribute)
     deferred: set[int] | None = None  # found on the first call, when activation checkpointing has been applied
 
+    @functools.wraps(forward)  # the signature stays the model's: generate() validates its keywords against it
     def forward_on_local_replicas(*args: Any, **kwargs: Any) -> Any:
         nonlocal deferred
         if deferred is None:
@@ -273,6 +275,7 @@ def _install_partial_sum_block(module: nn.Module, mesh: DeviceMesh) -> None:
     def sum_input_grads(value: Any) -> Any:
         return all_reduce_backward(value, group) if isinstance(value, torch.Tensor) else value
 
+    @functools.wraps(forward)
     def partial_sum_forward(*args: Any, **kwargs: Any) -> Any:
         args = tuple(sum_input_grads(arg) for arg in args)
         kwargs = {key: sum_input_grads(value) for key, value in kwargs.items()}
@@ -316,6 +319,7 @@ def hand_back_owned_outputs(module: nn.Module) -> None:
     (``owned_local``)."""
     forward = module.forward
 
+    @functools.wraps(forward)
     def forward_with_owned_outputs(*args: Any, **kwargs: Any) -> Any:
         output = forward(*args, **kwargs)
         return tree_map_only(torch.Tensor, owned_local, output) if torch.is_grad_enabled() else output
@@ -336,6 +340,7 @@ class ReplicatedWithGradAllReduceOnce(ReplicatedWithGradAllReduce):
     def install_forward(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         original_forward = module.forward
 
+        @functools.wraps(original_forward)
         def tp_forward(*args, **kwargs):
             # Parameters are replaced by the loaded weights after setup, so hooks are attached at the first forward.
             if torch.is_grad_enabled():

@@ -244,3 +244,16 @@ def vlm_lora_parity(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
         "ref_trainable": sum(p.requires_grad for p in reference.parameters()),
         "vision_adapters": sum("lora_A" in n and n.startswith(("model.vision", "model.visual")) for n in trainable),
     }
+
+
+def vlm_generate(checkpoint: str, layout: dict[str, Any]) -> bool:
+    """Greedy ``generate`` with an image, parallelized for ``layout``, gives plain transformers' tokens (its encoders
+    run before the first forward, outside the root unit's forward)."""
+    context = MeshContext.build(**layout)
+    model = NeMoAutoModelForImageTextToText.from_pretrained(checkpoint, mesh_context=context).eval()
+    reference = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+    one = {key: value for key, value in collate(vlm_examples(reference.config)[:1]).items() if key != "labels"}
+    with torch.no_grad():
+        ours = model.generate(**one, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        theirs = reference.generate(**one, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    return ours.tolist() == theirs.tolist()
