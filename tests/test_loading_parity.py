@@ -15,6 +15,7 @@ from tests.cases.loading import (
     from_config_matches_seed,
     loaded_parity,
     loaded_weights,
+    plain_state_dict_and_resize,
 )
 from tests.cases.sidecar_nemotron_h import tiny_config as nemotron_h_config
 from tests.causal_lm_zoo import tiny_config as zoo_tiny_config
@@ -229,3 +230,20 @@ def test_index_runs_are_the_maximal_ascending_stretches_in_local_order(indices, 
     from automodel.loading.placements import to_runs
 
     assert to_runs(torch.tensor(indices, dtype=torch.long)) == runs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout",
+    [{"strategy": "fsdp2"}, {"strategy": "fsdp2", "tp_size": 2}, {"strategy": "ddp"}],
+    ids=["fsdp2", "tp2", "ddp"],
+)
+def test_a_plain_state_dict_loads_and_sharded_embeddings_are_not_resized(ranks2, checkpoints, layout):
+    """As on plain transformers' model: ``load_state_dict`` takes full tensors (each rank keeps its slices), and
+    ``resize_token_embeddings`` works where the embeddings are whole (DDP), else it says to resize before."""
+    for result in ranks2.run(plain_state_dict_and_resize, checkpoints["llama"], layout):
+        assert result["logits"] <= 1e-5, result
+        if layout["strategy"] == "ddp":
+            assert result["resize"] == "resized"
+        else:
+            assert "resize before parallelizing" in result["resize"], result

@@ -10,9 +10,11 @@ registers itself here (shared infrastructure never imports the loader).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 __all__ = ["CheckpointWriter", "ParallelizedModel", "adopt_parallelized_class", "register_checkpoint_writer"]
@@ -55,6 +57,31 @@ class ParallelizedModel:
     def push_to_hub(self, repo_id: str, **kwargs: Any) -> str:
         """transformers' ``push_to_hub``, collective: the consolidated checkpoint, uploaded from rank 0."""
         return _writer().push_to_hub(self, repo_id, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, also of a plain (unsharded) state dict, such as plain transformers' model
+        gives: collective where the model has sharded (``DTensor``) tensors, whose full values each rank then
+        slices (torch's ``set_model_state_dict`` with ``full_state_dict=True``)."""
+        own = nn.Module.state_dict(self)
+        full = [name for name, value in state_dict.items() if isinstance(own.get(name), DTensor)]
+        if not full or any(isinstance(state_dict[name], DTensor) for name in full):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        return set_model_state_dict(
+            self, dict(state_dict), options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``resize_token_embeddings`` where the embeddings are whole (DDP); refused where they are
+        sharded (FSDP2, TP), which transformers' resizing cannot handle."""
+        if any(isinstance(param, DTensor) for param in self.parameters()):
+            raise NotImplementedError(
+                "resize_token_embeddings of a model whose weights are sharded (FSDP2, TP) is not supported: resize "
+                "before parallelizing (plain transformers: from_pretrained, resize_token_embeddings, save_pretrained), "
+                "then load that checkpoint with the mesh."
+            )
+        return super().resize_token_embeddings(*args, **kwargs)
 
 
 def adopt_parallelized_class(model: nn.Module) -> None:

@@ -182,3 +182,24 @@ def experts_finer_than_one_per_rank(checkpoint: str, layout: dict[str, Any]) -> 
     model.train()
     reference.train()
     return {"expert_shard_dims": sorted(dims), **compare_with_reference(reference, model, context, token_batch())}
+
+
+def plain_state_dict_and_resize(checkpoint: str, layout: dict[str, Any]) -> dict[str, Any]:
+    """``load_state_dict`` of plain transformers' (unsharded) state dict of other weights into the parallelized model:
+    its logits become that model's; ``resize_token_embeddings`` is refused where the weights are sharded."""
+    other = AutoModelForCausalLM.from_pretrained(checkpoint)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(0.5)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, mesh_context=MeshContext.build(**layout)).eval()
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        logits = model(input_ids=token_batch()).logits
+        full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        difference = (full - other(input_ids=token_batch()).logits).abs().max().item()
+    try:
+        model.resize_token_embeddings(200)
+        resize = "resized"
+    except NotImplementedError as error:
+        resize = str(error)
+    return {"logits": difference, "resize": resize}
