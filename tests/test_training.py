@@ -14,6 +14,7 @@ from tests.cases.training import (
     CHAT_DATA,
     REPO,
     grad_norm_matches_plain,
+    resume_error,
     save_tiny_chat_checkpoint,
     train,
     train_and_report,
@@ -272,3 +273,18 @@ def test_fsdp2_reshard_policies_and_prefetch_train_bitwise_alike(ranks2, chat_ch
     ]:
         layout = [f"layout.reshard_after_forward={policy}", f"layout.prefetch={prefetch}"]
         assert ranks2.run(train, config, overrides + layout)[0]["losses"] == reference, (policy, prefetch)
+
+
+def test_a_checkpoint_past_max_steps_or_damaged_is_refused_with_the_way_on(ranks2, chat_checkpoint, tmp_path):
+    """A checkpoint at step 4 with train.max_steps=2 would train nothing and export 4 steps under a card saying 2; a
+    newest checkpoint whose files were damaged after it was written names the one before it."""
+    config = _config(tmp_path, chat_checkpoint)
+    checkpoints = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=2", "checkpoint.keep=3"]
+    ranks2.run(train, config, [*checkpoints, "train.max_steps=4"])
+    messages = ranks2.run(resume_error, config, [*checkpoints, "train.max_steps=2", "train.warmup_steps=1"])
+    assert len(set(messages)) == 1 and "is at step 4, past train.max_steps=2" in messages[0], messages
+    (tmp_path / "ckpt" / "step_00000004" / "trainer_state.pt").unlink()
+    messages = ranks2.run(resume_error, config, [*checkpoints, "train.max_steps=6"])
+    assert len(set(messages)) == 1, messages
+    assert "step_00000004 cannot be read (FileNotFoundError" in messages[0], messages
+    assert f"move it out of {tmp_path / 'ckpt'} to resume from step_00000002" in messages[0], messages

@@ -366,8 +366,17 @@ def test_loader_argument_errors():
     with pytest.raises(ValueError, match="micro_batch_size must be a positive integer"):
         make_loader(examples, micro_batch_size=0)
     state = make_loader(numbered_examples(24)).state_dict()
-    with pytest.raises(ValueError, match="checkpoint's loader had num_examples=24, this one has 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint's loader had 24 examples, this one has 16; resume with the same data, tokenizer, train\.seq_len and data\.packing",
+    ):
         make_loader(examples).load_state_dict(state)
+    other = [Example([token + 1 for token in example.input_ids], example.labels) for example in examples]
+    with pytest.raises(
+        ValueError, match=r"the data gives other examples than the checkpoint's \(the same number, other tokens\)"
+    ):
+        make_loader(other).load_state_dict(make_loader(examples).state_dict())
+    make_loader(examples).load_state_dict(make_loader(list(examples)).state_dict())  # the same examples resume
 
 
 @pytest.mark.parametrize(("saved_dp", "resumed_dp"), [(2, 4), (4, 2), (2, 1)])

@@ -113,16 +113,37 @@ class DistributedBatchLoader:
             "seed": self._seed,
             "num_examples": len(self._examples),
             "global_batch_size": self._global_batch_size,
+            "data_fingerprint": self._fingerprint(),
         }
 
+    def _fingerprint(self) -> int:
+        """A hash of the examples' count and of the tokens of up to 64 of them, evenly spaced: another file, tokenizer,
+        ``seq_len`` or packing gives other examples (reading 64 is cheap for prepared data of any size)."""
+        digest = hashlib.sha256(str(len(self._examples)).encode())
+        count = len(self._examples)
+        for index in sorted({position * (count - 1) // 63 for position in range(64)} if count else ()):
+            digest.update(str(self._examples[index].input_ids).encode())
+        return int(digest.hexdigest()[:15], 16)  # a plain int, as the rest of the state
+
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (the run's seed included); the data and global batch size must be the same."""
-        for key in ("num_examples", "global_batch_size"):
-            if key in state and state[key] != self.state_dict()[key]:
-                raise ValueError(
-                    f"Cannot resume: the checkpoint's loader had {key}={state[key]}, this one has "
-                    f"{self.state_dict()[key]}; resume with the same data and global_batch_size"
-                )
+        """Continue from ``state`` (the run's seed included); the data (the examples it gives) and the global batch
+        size must be the same."""
+        same_data = "the same data, tokenizer, train.seq_len and data.packing (they make the examples)"
+        if "num_examples" in state and state["num_examples"] != len(self._examples):
+            raise ValueError(
+                f"Cannot resume: the checkpoint's loader had {state['num_examples']} examples, this one has "
+                f"{len(self._examples)}; resume with {same_data}, or start over in another checkpoint.dir"
+            )
+        if "global_batch_size" in state and state["global_batch_size"] != self._global_batch_size:
+            raise ValueError(
+                f"Cannot resume: the checkpoint's loader had global_batch_size={state['global_batch_size']}, this one "
+                f"has {self._global_batch_size}; resume with the same train.global_batch_size"
+            )
+        if "data_fingerprint" in state and state["data_fingerprint"] != self._fingerprint():
+            raise ValueError(
+                f"Cannot resume: the data gives other examples than the checkpoint's (the same number, other tokens); "
+                f"resume with {same_data}, or start over in another checkpoint.dir"
+            )
         if not 0 <= state["step"] <= self.steps_per_epoch:
             raise ValueError(f"Loader state step={state['step']} is outside [0, {self.steps_per_epoch}]")
         self._epoch, self._step, self._seed = int(state["epoch"]), int(state["step"]), int(state["seed"])

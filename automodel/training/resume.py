@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from automodel.distributed.runtime import log_rank_zero
 from automodel.loading.agreement import agree_or_raise
@@ -69,13 +70,15 @@ def resume_if_saved(
         return None
     moved, error = None, None
     try:
-        moved = _check_base(read_trainer_state(resume).base, base, resume)
-    except BaseChanged as exc:  # raised below on every rank
+        saved = _readable(resume, read_trainer_state)
+        _check_within_max_steps(saved.step, config.train.max_steps, resume)
+        moved = _check_base(saved.base, base, resume)
+    except (BaseChanged, ValueError, RuntimeError) as exc:  # raised below on every rank
         error = exc
     agree_or_raise(error, f"Resuming from {resume}")
     if moved:
         log_rank_zero(logger, "%s", moved)
-    state = load_checkpoint(resume, model, optimizer)
+    state = _readable(resume, lambda path: load_checkpoint(path, model, optimizer))
     lr = resume_schedule(optimizer, scheduler, config.train, state.step)
     loader.load_state_dict(state.data)
     torch.set_rng_state(state.rng)
@@ -98,6 +101,28 @@ def resume_if_saved(
         lr,
     )
     return state
+
+
+def _check_within_max_steps(step: int, max_steps: int, checkpoint: Path) -> None:
+    if step > max_steps:
+        raise ValueError(
+            f"{checkpoint} is at step {step}, past train.max_steps={max_steps}: nothing is left to train, and an export "
+            f"would hold {step} steps' weights. Raise train.max_steps to go on, or start over in another checkpoint.dir."
+        )
+
+
+def _readable(checkpoint: Path, read: Any) -> Any:
+    """``read(checkpoint)``; a checkpoint that cannot be read (a file truncated or deleted after it was written) is
+    an error naming it and the way past it: the checkpoint before it."""
+    try:
+        return read(checkpoint)
+    except (OSError, RuntimeError, EOFError, CheckpointException) as error:
+        earlier = sorted(path.name for path in checkpoint.parent.glob("step_*") if path.is_dir() and path < checkpoint)
+        fallback = f" to resume from {earlier[-1]}" if earlier else " to start over"
+        raise RuntimeError(
+            f"{checkpoint} cannot be read ({type(error).__name__}: {error}). If it is damaged, move it out of "
+            f"{checkpoint.parent}{fallback}."
+        ) from error
 
 
 def _check_base(saved: dict[str, Any] | None, now: dict[str, Any] | None, checkpoint: Path) -> str | None:
