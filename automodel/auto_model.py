@@ -389,7 +389,9 @@ def _resolve_dtype(
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        # ``dtype`` only: transformers 5 reads an old config's ``torch_dtype`` into it, and the old name is a property
+        # that warns it is deprecated (a warning about a keyword the user never passed).
+        recorded = getattr(config, "dtype", None)
         if isinstance(recorded, str):
             recorded = getattr(torch, recorded, None)
         if not isinstance(recorded, torch.dtype) and stored is not None:

@@ -142,10 +142,13 @@ def test_the_single_file_wins_over_an_index_as_in_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
-def test_dtype_auto_takes_the_checkpoints_dtype_when_the_config_records_none(tmp_path, stored):
+def test_dtype_auto_takes_the_checkpoints_dtype_when_the_config_records_none(tmp_path, stored, caplog):
     build_model(tiny_config("llama"), seed=6).to(stored).save_pretrained(tmp_path)
     _edit_config(tmp_path, drop=("dtype", "torch_dtype"))
-    model = NeMoAutoModelForCausalLM.from_pretrained(tmp_path)
+    logging.Logger.warning_once.cache_clear()  # transformers says a deprecation once per process
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        model = NeMoAutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "torch_dtype` is deprecated" not in caplog.text, "the user passed no torch_dtype"
     reference = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.dtype == reference.dtype == stored
     assert torch.equal(_logits(model), _logits(reference))
