@@ -183,3 +183,15 @@ def test_sft_data_mistakes_the_ranks_would_hit_after_loading_are_refused_first(l
     (plain / "tokenizer_config.json").write_text(json.dumps(settings))
     status, err, started = launch(plain)
     assert (status, started) == (2, False) and "its tokenizer has no chat template" in err
+
+
+def test_few_long_documents_are_enough_to_pretrain_on(model, tmp_path):
+    """Pretraining cuts documents into sequences: two records can fill many global batches (no SFT record count)."""
+    from automodel.training.config import load_config
+    from automodel.training.prelaunch import _check_records
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a long document"}\n{"text": "another long document"}\n')
+    config = tmp_path / "pretrain.yaml"
+    config.write_text(f"recipe: pretrain\nmodel: {{path: {model}}}\ndata: {{path: {corpus}}}\n")
+    _check_records(load_config(config, ["train.global_batch_size=8"]), Path(model))

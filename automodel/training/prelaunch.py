@@ -203,7 +203,8 @@ def _check_records(config: RecipeConfig, model_directory: Path) -> None:
             count = check_data(value, kind, split)
         except DataError as error:
             raise ConfigError(f"{key}: {error}") from None
-        if key == "data.path" and 0 < count < config.train.global_batch_size:
+        # An SFT record is one example at most (packing joins them); pretraining cuts documents into sequences.
+        if key == "data.path" and kind != "pretrain" and 0 < count < config.train.global_batch_size:
             raise ConfigError(
                 f"{key}={value} holds {count} records, fewer than one global batch of train.global_batch_size="
                 f"{config.train.global_batch_size}: add data or lower train.global_batch_size."
