@@ -185,7 +185,8 @@ def _check_records(config: RecipeConfig, model_directory: Path) -> None:
         and model_kind(str(model_directory), config.model.kind, trust_remote_code=trust) == IMAGE_TEXT_TO_TEXT
     ):
         kind = "vlm"  # chats whose contents may be lists of text and image parts
-    if kind == "sft":
+    raw = [value for value in (config.data.path, config.data.validation_path) if value and not is_prepared(value)]
+    if kind == "sft" and raw:  # prepared SFT data is tokenized already
         _check_chat_template(config, model_directory)
     sources = (
         ("data.path", config.data.path, config.data.split),
