@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from automodel.distributed.parallel_model import ParallelizedModel
 from automodel.distributed.runtime import is_rank_zero
 from automodel.loading.agreement import agree_or_raise
+from automodel.loading.checkpoint_files import with_variant
 from automodel.loading.parallel_export import WeightFiles, gathered_to, make_staging_dir, write_weight_files
 
 __all__ = ["CollectiveComponentSave", "adopt_collective_save", "make_saving_collective"]
@@ -74,14 +75,6 @@ def adopt_collective_save(component: nn.Module, component_class: type) -> None:
     )
 
 
-def _with_variant(name: str, variant: str | None) -> str:
-    """diffusers' ``_add_variant``: ``diffusion_pytorch_model.safetensors`` -> ``....fp16.safetensors``."""
-    if not variant:
-        return name
-    stem, _, extension = name.rpartition(".")
-    return f"{stem}.{variant}.{extension}"
-
-
 def _write_component(
     component: nn.Module, target: Path, variant: str | None, max_shard_size: int | str, refused: list[str]
 ) -> None:
@@ -101,9 +94,7 @@ def _write_component(
             raise NotADirectoryError(f"{target} exists and is not a directory: save to a directory.")
         state = dict(component.state_dict())
         stored = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in state.items()}
-        pattern = _with_variant(f"{DIFFUSERS_WEIGHTS}.safetensors", variant).replace(
-            ".safetensors", "{suffix}.safetensors"
-        )
+        pattern = with_variant(f"{DIFFUSERS_WEIGHTS}{{suffix}}.safetensors", variant)
         split = split_torch_state_dict_into_shards(stored, filename_pattern=pattern, max_shard_size=max_shard_size)
     except Exception as exc:  # raised below on every rank, before anything is written
         error = exc
@@ -126,7 +117,7 @@ def _write_component(
             try:
                 if split.is_sharded:
                     index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
-                    index_name = _with_variant(f"{DIFFUSERS_WEIGHTS}.safetensors.index.json", variant)
+                    index_name = with_variant(f"{DIFFUSERS_WEIGHTS}.safetensors.index.json", variant)
                     (staging / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
                 config = json.loads(component.to_json_string())
                 config["_class_name"] = component._diffusers_class.__name__  # not FSDP's dynamic subclass

@@ -278,18 +278,22 @@ def weight_files(
     for name, kind, is_index in WEIGHT_FILES:
         if kind not in kinds or (not diffusers and name.startswith(DIFFUSERS_WEIGHTS)):
             continue
-        found.append((_with_variant(name, variant), kind, is_index))
+        found.append((with_variant(name, variant), kind, is_index))
         if variant and is_index and name.startswith(DIFFUSERS_WEIGHTS):
             # diffusers still reads its legacy variant index name (``....safetensors.fp16.index.json``).
             found.append((f"{DIFFUSERS_WEIGHTS}.{kind}.{variant}.index.json", kind, True))
     return found
 
 
-def _with_variant(name: str, variant: str | None) -> str:
-    """transformers' ``_add_variant``: ``model.safetensors`` -> ``model.fp16.safetensors``."""
+def with_variant(name: str, variant: str | None) -> str:
+    """transformers' (and diffusers') ``_add_variant``: ``model.safetensors`` -> ``model.fp16.safetensors``,
+    ``model.safetensors.index.json`` -> ``model.safetensors.index.fp16.json``, and a shard pattern
+    ``model{suffix}.safetensors`` -> ``model.fp16{suffix}.safetensors``."""
     if not variant:
         return name
     stem, _, extension = name.rpartition(".")
+    if stem.endswith("{suffix}"):
+        return f"{stem.removesuffix('{suffix}')}.{variant}{{suffix}}.{extension}"
     return f"{stem}.{variant}.{extension}"
 
 

@@ -31,6 +31,7 @@ from automodel.distributed.pipelined_model import PipelinedModel
 from automodel.distributed.runtime import is_rank_zero
 
 from .agreement import agree_or_raise
+from .checkpoint_files import with_variant
 from .model_card import ModelCardInfo, push_to_hub, write_model_card
 from .parallel_export import WeightFiles, gathered_to, make_staging_dir, write_weight_files
 
@@ -203,7 +204,7 @@ def _plan_export(model: PreTrainedModel, max_shard_size: str | int, variant: str
     source_of, renamed = _stored_sources(model, stand_ins, stored)
     try:
         split = split_torch_state_dict_into_shards(
-            stored, filename_pattern=_with_variant(WEIGHTS_PATTERN, variant), max_shard_size=max_shard_size
+            stored, filename_pattern=with_variant(WEIGHTS_PATTERN, variant), max_shard_size=max_shard_size
         )
     except ValueError as exc:
         raise ValueError(
@@ -215,19 +216,8 @@ def _plan_export(model: PreTrainedModel, max_shard_size: str | int, variant: str
         index = {"metadata": total, "weight_map": split.tensor_to_filename}
     files = dict(split.filename_to_tensors)
     return _ExportPlan(
-        sources, source_of, files, stored, renamed, index, model.dtype, _with_variant(INDEX_NAME, variant)
+        sources, source_of, files, stored, renamed, index, model.dtype, with_variant(INDEX_NAME, variant)
     )
-
-
-def _with_variant(name: str, variant: str | None) -> str:
-    """transformers' file names for a variant: ``model{suffix}.safetensors`` -> ``model.fp16{suffix}.safetensors``,
-    ``model.safetensors.index.json`` -> ``model.safetensors.index.fp16.json``."""
-    if not variant:
-        return name
-    stem, _, extension = name.rpartition(".")
-    if stem.endswith("{suffix}"):
-        return f"{stem.removesuffix('{suffix}')}.{variant}{{suffix}}.{extension}"
-    return f"{stem}.{variant}.{extension}"
 
 
 def _stored_sources(
