@@ -173,7 +173,8 @@ def _check_model(config: RecipeConfig) -> Path:
 
 def _check_records(config: RecipeConfig, model_directory: Path) -> None:
     """Every record of the local JSONL, parquet and arrow data parses and has what the recipe reads (the check the
-    ranks run as they read it: ``data_check``), streamed; a mistake is refused at its file and line (or row)."""
+    ranks run as they read it: ``data_check``), streamed; a mistake is refused at its file and line (or row). For
+    SFT also refused: a text file, fewer records than one global batch, and a tokenizer without a chat template."""
     from .data_check import DataError, check_data
     from .prepared import is_prepared
     from .vlm import IMAGE_TEXT_TO_TEXT, model_kind
