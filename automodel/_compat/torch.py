@@ -435,3 +435,10 @@ def on_worker_failure(callback: Callable[[int, int, int], None]) -> None:
                 callback(int(exitcode), int(local_rank), int(pid))
 
     logging.getLogger(_WORKER_FAILURE_LOGGER).addHandler(_WorkerFailures(logging.ERROR))
+
+
+# torch.distributed.pipelining's zero-bubble weight pass (``stage_backward_weight``) runs a custom autograd.Function's
+# backward a second time only from 2.13: 2.11 fails in ``_make_grads`` on the function's node ("Attribute
+# '_input_metadata' is invalid for this instance of _C._FunctionBase"; the fused loss is one). Checked: 2.11.0 fails,
+# 2.13.0 and 2.14.1 run; 2.12 not checked, so not assumed.
+ZERO_BUBBLE_RERUNS_CUSTOM_FUNCTIONS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)

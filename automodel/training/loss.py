@@ -30,6 +30,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from automodel._compat.torch import ZERO_BUBBLE_RERUNS_CUSTOM_FUNCTIONS
+from automodel.distributed.pipeline_layout import ZERO_BUBBLE_SCHEDULES
+
 from .data import IGNORE_INDEX
 from .linear_cross_entropy import LogitTransform, Vocab, fused_linear_cross_entropy
 
@@ -39,6 +42,7 @@ __all__ = [
     "LossFunction",
     "ModelLoss",
     "check_fused_loss_support",
+    "fused_schedule_refusal",
     "make_loss",
 ]
 
@@ -141,7 +145,7 @@ def choose_loss(
     """
     if kind != "auto":
         return make_loss(kind, chunk_size), f"loss: {'fused' if kind == 'chunked' else kind}"
-    reason = fused_refusal
+    reason = fused_refusal or fused_schedule_refusal(model)
     if reason is None:
         try:
             check_fused_loss_support(getattr(model, "whole_on_meta", model))
@@ -150,6 +154,19 @@ def choose_loss(
     if reason is not None:
         return ModelLoss(), f"loss: model (auto; the fused loss is not exact here: {reason})"
     return FusedLinearCrossEntropy(chunk_size), f"loss: fused (auto), chunks of {chunk_size} tokens"
+
+
+def fused_schedule_refusal(model: nn.Module) -> str | None:
+    """Why a pipeline schedule rules the fused loss out on this torch, or None: a zero-bubble schedule runs a loss's
+    backward a second time for the weights, which torch before 2.13 cannot do for a custom autograd function."""
+    schedule = getattr(getattr(model, "layout", None), "schedule", None)
+    if schedule in ZERO_BUBBLE_SCHEDULES and not ZERO_BUBBLE_RERUNS_CUSTOM_FUNCTIONS:
+        return (
+            f"layout.pp_schedule={schedule} runs the loss's backward twice (inputs, then weights), which torch "
+            f"{torch.__version__} cannot do for the fused loss's autograd function (torch 2.13 can); use "
+            "train.loss=model, or another schedule"
+        )
+    return None
 
 
 def make_loss(kind: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> LossFunction:

@@ -14,7 +14,7 @@ from automodel.distributed.context_parallel import shard_batch_for_context_paral
 from automodel.distributed.pipelined_model import PipelinedModel
 
 from .batches import joined_batch
-from .loss import FusedLinearCrossEntropy, LossFunction, ModelLoss
+from .loss import FusedLinearCrossEntropy, LossFunction, ModelLoss, fused_schedule_refusal
 
 __all__ = ["model_inputs", "train_step"]
 
@@ -84,6 +84,9 @@ def _pipelined_train_step(
     layout's microbatches); the same loss normalization as without PP."""
     batch = joined_batch(micro_batches)
     head_loss = loss_fn.from_head_input if isinstance(loss_fn, FusedLinearCrossEntropy) else None
+    refusal = fused_schedule_refusal(model) if head_loss is not None else None
+    if refusal is not None:  # the same on every rank, before the schedule runs
+        raise ValueError(f"train.loss=fused: {refusal}.")
     loss = model.train_step(**batch, num_items_in_batch=num_items, head_loss=head_loss).to(num_items.device)
     dist.all_reduce(loss, group=context.mesh("dp_cp").get_group())
     return loss / context.size("dp_cp")

@@ -361,7 +361,10 @@ def training_step_parity(
         {"input_ids": input_ids[rows], "labels": labels[rows], **{k: v[rows] for k, v in padding.items()}}
         for rows in (slice(0, 4), slice(4, 8))
     ]
-    result = train_step(model, micro_batches, context, make_loss(loss) if loss else None)
+    try:
+        result = train_step(model, micro_batches, context, make_loss(loss) if loss else None)
+    except ValueError as refusal:  # the fused loss under zero-bubble schedules on torch before 2.13
+        return {"refused": str(refusal)}
     expected = reference(input_ids=input_ids, labels=labels, **padding).loss
     expected.backward()
     plain = dict(reference.named_parameters(remove_duplicate=False))
